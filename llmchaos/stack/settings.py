@@ -1,0 +1,230 @@
+"""Typed settings of the embedded stack's processes.
+
+The stack (`llmchaos.stack.stack`) builds these from `StackConfig` and the variant, writes each
+process's settings as JSON into the stack's state folder, and the process reads them back with
+`load_settings`. One object per process kind, every field with a default and the reason for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from llmchaos.errors import InvalidInput
+
+__all__ = [
+    "CPU_PROFILE",
+    "GPU_PROFILE",
+    "CacheSettings",
+    "EngineProfile",
+    "GatewaySettings",
+    "UpstreamWorker",
+    "WorkerSettings",
+    "load_settings",
+    "settings_from_dict",
+    "settings_to_dict",
+    "write_settings",
+]
+
+ServingMode = Literal["gpu", "cpu"]
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """Cost model of a continuous-batching engine (one simulated accelerator or CPU)."""
+
+    mode: ServingMode = "gpu"
+    """Which serving mode this engine represents; reported as `X-Serving-Mode` by the gateway."""
+    max_num_seqs: int = 256
+    """Most sequences in one running batch (vLLM `--max-num-seqs`, default 256)."""
+    kv_cache_tokens: int = 200_000
+    """KV-cache budget in tokens; running sequences are preempted when it runs out."""
+    max_model_len: int = 8192
+    """Context window: prompt + max_tokens above this -> 400 context_length_exceeded."""
+    prefill_base_ms: float = 50.0
+    """Fixed cost of a prefill step (launch + scheduling)."""
+    prefill_ms_per_token: float = 0.02
+    """Prefill cost per prompt token; with 512-4600 prompt tokens TTFT lands at 60-140 ms."""
+    decode_base_ms: float = 11.0
+    """Decode step cost with one sequence: the per-output-token latency at low load."""
+    decode_ms_per_seq: float = 0.03
+    """Extra decode step cost per running sequence (batch size grows the step)."""
+    load_s: float = 3.0
+    """Model-load time at every start; /healthz answers 503 `loading` meanwhile."""
+    gpu_memory_mib: int = 40_960
+    """Memory the process shows in /gpu/processes (nvidia-smi `used_memory`)."""
+
+
+GPU_PROFILE = EngineProfile()
+"""Calibrated to published 7-8B numbers on one A100-class GPU: TTFT 60-120 ms, 10-15 ms/token."""
+
+CPU_PROFILE = EngineProfile(
+    mode="cpu",
+    max_num_seqs=16,
+    kv_cache_tokens=40_000,
+    prefill_base_ms=400.0,
+    prefill_ms_per_token=0.3,
+    decode_base_ms=110.0,
+    decode_ms_per_seq=2.0,
+    load_s=1.0,
+    gpu_memory_mib=0,
+)
+"""About ten times slower than the GPU profile, with a small batch: the fallback pool."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """One engine worker process (an OpenAI-compatible server over one simulated engine)."""
+
+    name: str = "gpu-0"
+    """Worker name, unique in the stack (gpu-0, gpu-1, cpu-0)."""
+    node: str = "node-a"
+    """Node the worker runs on."""
+    host: str = "127.0.0.1"
+    """Address to bind; a node's namespace address when nodes are network namespaces."""
+    port: int = 8000
+    """Port to bind."""
+    model: str = "llmchaos-7b"
+    """Model name served; others -> 404 model_not_found."""
+    profile: EngineProfile = GPU_PROFILE
+    """Engine cost model."""
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """Token cache in front of the SQLite token table."""
+
+    ttl_s: float = 300.0
+    """TTL of a cached valid token."""
+    ttl_jitter_s: float = 30.0
+    """Uniform random extra TTL in [0, jitter] so tokens cached together do not expire together."""
+    negative_ttl_s: float = 60.0
+    """TTL of a cached 'unknown or revoked token' answer; 0 disables negative caching."""
+    coalesce_misses: bool = True
+    """Concurrent misses for one token share one SQLite lookup."""
+
+
+@dataclass(frozen=True)
+class UpstreamWorker:
+    """A worker as the gateway sees it."""
+
+    name: str
+    """Worker name (gpu-0 ...)."""
+    url: str
+    """Base URL, e.g. http://10.203.1.2:8000."""
+    mode: ServingMode
+    """gpu workers serve first; cpu workers only when no gpu worker can take the request."""
+    node: str = ""
+    """Node the worker runs on (for logs and metrics)."""
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """One API gateway process (primary or backup)."""
+
+    name: str = "gateway-primary"
+    """Gateway name, unique in the stack."""
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = 9000
+    """Port to bind."""
+    models: tuple[str, ...] = ("llmchaos-7b",)
+    """Models offered at /v1/models; a request for another -> 404 model_not_found."""
+    workers: tuple[UpstreamWorker, ...] = ()
+    """Upstream engine workers."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Token cache."""
+    token_db_path: str = "tokens.sqlite"
+    """SQLite token table (tokens(token TEXT PRIMARY KEY, tenant TEXT, revoked INTEGER))."""
+    token_db_pool_size: int = 4
+    """SQLite connections; a cache miss waits for one, as with a real database's pool."""
+    token_db_latency_ms: float = 5.0
+    """Added to each SQLite lookup, standing in for the round trip to a networked database."""
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    """Token cache behaviour (the hardened defaults; variants weaken it)."""
+    cpu_fallback: bool = True
+    """Serve from cpu workers when no gpu worker can take a request; off -> 503."""
+    queue_shed_threshold: int = 500
+    """Shed with 429 + Retry-After when the estimated queue (requests beyond the workers'
+    running batches) is over this."""
+    health_interval_s: float = 1.0
+    """Active health check period per worker (GET /healthz)."""
+    health_timeout_s: float = 0.5
+    """Timeout of one active health check."""
+    eject_s: float = 5.0
+    """Passive health: a worker that failed a request is skipped this long (unless it passes an
+    active check first)."""
+    connect_timeout_s: float = 1.0
+    """Upstream connect timeout; a partitioned node shows as a connect timeout."""
+    first_byte_timeout_s: float = 6.0
+    """Upstream timeout until response headers; below the clients' 8 s."""
+    max_retries: int = 1
+    """Retries on another worker when nothing was sent to the client yet."""
+
+
+_T = TypeVar("_T")
+
+
+def settings_to_dict(settings: Any) -> dict[str, Any]:
+    """Plain-JSON dict of a settings dataclass (nested dataclasses included)."""
+    return dataclasses.asdict(settings)
+
+
+def settings_from_dict(cls: type[_T], data: dict[str, Any], where: str = "settings") -> _T:
+    """Build dataclass `cls` from `data`, recursing into nested dataclasses and tuples.
+
+    Raises InvalidInput naming `where` and the field for unknown fields or wrong types.
+    """
+    if not isinstance(data, dict):
+        raise InvalidInput(f"{where}: expected an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise InvalidInput(f"{where}: unknown field(s) {', '.join(unknown)}; known: {sorted(names)}")
+    kwargs = {name: _coerce(hints[name], value, f"{where}.{name}") for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return settings_from_dict(hint, value, where)  # type: ignore[arg-type]
+    if origin is tuple:
+        (item_hint, *_rest) = typing.get_args(hint)
+        if not isinstance(value, list | tuple):
+            raise InvalidInput(f"{where}: expected a list, got {value!r}")
+        return tuple(_coerce(item_hint, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise InvalidInput(f"{where}: expected one of {typing.get_args(hint)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise InvalidInput(f"{where}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def write_settings(settings: Any, path: Path) -> Path:
+    """Write `settings` as JSON to `path` (atomically) and return the path."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(settings_to_dict(settings), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_settings(cls: type[_T], path: Path) -> _T:
+    """Read settings of type `cls` written by `write_settings`."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(f"{path}: cannot read settings: {exc}") from exc
+    return settings_from_dict(cls, data, str(path))
