@@ -35,7 +35,7 @@ class ApiError(Exception):
         status: int,
         message: str,
         *,
-        type: str = "invalid_request_error",  # noqa: A002 - the OpenAI field name
+        type: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
@@ -102,7 +102,9 @@ def parse_chat_request(raw: bytes, models: Collection[str]) -> ChatRequest:
         content = message.get("content", "")
         if isinstance(content, list):  # content parts: keep the text ones
             content = " ".join(
-                p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+                p.get("text", "")
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text"
             )
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")

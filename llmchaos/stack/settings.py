@@ -186,7 +186,9 @@ def settings_from_dict(cls: type[_T], data: dict[str, Any], where: str = "settin
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - names)
     if unknown:
-        raise InvalidInput(f"{where}: unknown field(s) {', '.join(unknown)}; known: {sorted(names)}")
+        raise InvalidInput(
+            f"{where}: unknown field(s) {', '.join(unknown)}; known: {sorted(names)}"
+        )
     kwargs = {name: _coerce(hints[name], value, f"{where}.{name}") for name, value in data.items()}
     return cls(**kwargs)
 

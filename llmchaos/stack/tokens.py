@@ -9,10 +9,31 @@ from __future__ import annotations
 
 __all__ = ["count_tokens", "make_text"]
 
-_WORDS = (
-    "the model serves tokens under load while the gateway routes each request to a worker "
-    "that batches sequences and streams the answer back"
-).split()
+_WORDS = [
+    "the",
+    "model",
+    "serves",
+    "tokens",
+    "under",
+    "load",
+    "while",
+    "the",
+    "gateway",
+    "routes",
+    "each",
+    "request",
+    "to",
+    "a",
+    "worker",
+    "that",
+    "batches",
+    "sequences",
+    "and",
+    "streams",
+    "the",
+    "answer",
+    "back",
+]
 
 
 def count_tokens(text: str) -> int:
