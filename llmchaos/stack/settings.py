@@ -45,15 +45,26 @@ class EngineProfile:
     kv_cache_tokens: int = 200_000
     """KV-cache budget in tokens; running sequences are preempted when it runs out."""
     max_model_len: int = 8192
-    """Context window: prompt + max_tokens above this -> 400 context_length_exceeded."""
-    prefill_base_ms: float = 50.0
-    """Fixed cost of a prefill step (launch + scheduling)."""
+    """Context window: prompt + max_tokens above this -> 400 context_length_exceeded. Must not
+    exceed `kv_cache_tokens`, or a lone sequence could never fit (vLLM refuses to start too)."""
+    max_num_batched_tokens: int = 8192
+    """Most prompt tokens prefilled in one step (vLLM `--max-num-batched-tokens`); a burst of
+    prompts spreads over several steps so the running batch is not stalled for long. A single
+    longer prompt is still admitted alone."""
+    api_overhead_ms: float = 45.0
+    """Per-request latency before the scheduler sees a request (tokenization and hand-off from
+    the API server, a separate process in vLLM V1). It lengthens TTFT without holding the batch,
+    which is why it is not part of the prefill step cost."""
+    prefill_base_ms: float = 20.0
+    """Fixed cost of a step that prefills (bigger kernels and sampling for the new sequences);
+    with the API overhead a 16-token prompt sees TTFT ~66 ms at low load."""
     prefill_ms_per_token: float = 0.02
-    """Prefill cost per prompt token; with 512-4600 prompt tokens TTFT lands at 60-140 ms."""
+    """Prefill cost per prompt token (50k tokens/s); TTFT is 60-120 ms for prompts up to ~2,700
+    tokens at low load, ~160 ms at 4,600."""
     decode_base_ms: float = 11.0
     """Decode step cost with one sequence: the per-output-token latency at low load."""
-    decode_ms_per_seq: float = 0.03
-    """Extra decode step cost per running sequence (batch size grows the step)."""
+    decode_ms_per_seq: float = 0.04
+    """Extra step cost per decoding sequence (batch size grows the step): 21 ms at 256."""
     load_s: float = 3.0
     """Model-load time at every start; /healthz answers 503 `loading` meanwhile."""
     gpu_memory_mib: int = 40_960
@@ -67,7 +78,7 @@ CPU_PROFILE = EngineProfile(
     mode="cpu",
     max_num_seqs=16,
     kv_cache_tokens=40_000,
-    prefill_base_ms=400.0,
+    prefill_base_ms=600.0,
     prefill_ms_per_token=0.3,
     decode_base_ms=110.0,
     decode_ms_per_seq=2.0,
@@ -93,6 +104,8 @@ class WorkerSettings:
     """Model name served; others -> 404 model_not_found."""
     profile: EngineProfile = GPU_PROFILE
     """Engine cost model."""
+    gpu_index: int = 0
+    """Index of the simulated GPU the worker holds, shown in /gpu/processes (mode gpu only)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +178,19 @@ class GatewaySettings:
     """Upstream timeout until response headers; below the clients' 8 s."""
     max_retries: int = 1
     """Retries on another worker when nothing was sent to the client yet."""
+    stream_idle_timeout_s: float = 10.0
+    """Longest silence from a worker once its response has started; above the clients' 8 s so
+    a slow stream is the client's call, but a worker that stalls mid-body is not held forever."""
+    worker_queue_allowance_ratio: float = 0.5
+    """A worker is at capacity at max_num_seqs * (1 + ratio) outstanding requests: up to half a
+    batch may wait in its queue (about half a request's time) before traffic spills to cpu."""
+    retry_after_s: int = 1
+    """`Retry-After` of a 429 when shedding: one second is about one GPU request's duration."""
+    redis_timeout_s: float = 0.25
+    """Connect and command timeout towards Redis; past it the lookup falls back to SQLite."""
+    redis_retry_s: float = 1.0
+    """After a Redis error, go straight to SQLite this long instead of paying the timeout on
+    every request."""
 
 
 _T = TypeVar("_T")

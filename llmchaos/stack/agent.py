@@ -1,0 +1,156 @@
+"""Node agent: the local stand-in for a kubelet.
+
+Runs on its node (inside the node's network namespace when there is one), starts the node's
+engine workers, and restarts one that dies after `restart_delay_s`; the worker then reports
+not-ready until its model is loaded. Its state file (`AgentState`) always names the live pid
+of every worker, so actions can kill "the GPU process" and probes can count restarts.
+
+    python -m llmchaos.stack.agent --settings agent.json
+
+Workers get PR_SET_PDEATHSIG=SIGKILL: when the agent itself is killed, its workers go too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import FrameType
+
+from llmchaos.stack.procs import set_parent_death_signal, stop_pids
+from llmchaos.stack.settings import load_settings
+from llmchaos.stack.topology import WorkerState
+
+__all__ = ["AgentSettings", "AgentWorker", "main"]
+
+log = logging.getLogger("llmchaos.agent")
+
+
+@dataclass(frozen=True)
+class AgentWorker:
+    """A worker the agent keeps running."""
+
+    name: str
+    settings_path: str
+    log_path: str
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Settings of one node agent."""
+
+    node: str = "node-a"
+    """Node name."""
+    state_path: str = "agent.json"
+    """Where the agent writes its `AgentState`."""
+    restart_delay_s: float = 0.5
+    """Wait before restarting a worker that died (a kubelet's back-off, kept short)."""
+    workers: tuple[AgentWorker, ...] = ()
+    """Workers of this node."""
+
+
+class _Agent:
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.states: dict[str, WorkerState] = {}
+        self.restart_at: dict[str, float] = {}
+        self.stopping = False
+
+    def start(self, worker: AgentWorker) -> None:
+        argv = [sys.executable, "-m", "llmchaos.stack.worker", "--settings", worker.settings_path]
+        with Path(worker.log_path).open("ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=set_parent_death_signal,
+            )
+        self.procs[worker.name] = proc
+        previous = self.states.get(worker.name)
+        restarts = previous.restarts + 1 if previous else 0
+        self.states[worker.name] = WorkerState(
+            pid=proc.pid,
+            started_at=time.time(),
+            restarts=restarts,
+            last_exit_code=previous.last_exit_code if previous else None,
+            last_exit_at=previous.last_exit_at if previous else None,
+        )
+        log.info("started %s pid %d (restarts %d)", worker.name, proc.pid, restarts)
+
+    def write_state(self) -> None:
+        path = Path(self.settings.state_path)
+        data = {
+            "node": self.settings.node,
+            "agent_pid": os.getpid(),
+            "updated_at": time.time(),
+            "workers": {name: asdict(state) for name, state in self.states.items()},
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+
+    def step(self) -> bool:
+        """Reap dead workers and restart due ones; True when the state changed."""
+        changed = False
+        now = time.monotonic()
+        for worker in self.settings.workers:
+            proc = self.procs.get(worker.name)
+            if proc is not None and proc.poll() is not None:
+                del self.procs[worker.name]
+                self.states[worker.name] = replace(
+                    self.states[worker.name],
+                    running=False,
+                    last_exit_code=proc.returncode,
+                    last_exit_at=time.time(),
+                )
+                self.restart_at[worker.name] = now + self.settings.restart_delay_s
+                log.warning("%s exited with %s", worker.name, proc.returncode)
+                changed = True
+            if worker.name in self.restart_at and now >= self.restart_at[worker.name]:
+                del self.restart_at[worker.name]
+                self.start(worker)
+                changed = True
+        return changed
+
+    def run(self) -> int:
+        for worker in self.settings.workers:
+            self.start(worker)
+        self.write_state()
+        while not self.stopping:
+            if self.step():
+                self.write_state()
+            time.sleep(0.05)
+        stop_pids([p.pid for p in self.procs.values()], grace_s=2.0)
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmchaos.stack.agent")
+    parser.add_argument("--settings", type=Path, required=True, help="AgentSettings JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
+    agent = _Agent(load_settings(AgentSettings, args.settings))
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        agent.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

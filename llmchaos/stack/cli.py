@@ -1,0 +1,132 @@
+"""`llmchaos stack up|status|down` and `llmchaos cleanup`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from llmchaos.stack.cleanup import cleanup
+from llmchaos.stack.config import DEFAULT_VARIANT, VARIANTS, StackConfig
+from llmchaos.stack.stack import live_status, start_stack, stop_stack
+from llmchaos.stack.topology import Topology, find_state_dir
+
+__all__ = ["register"]
+
+_DEFAULTS = StackConfig()
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `stack` and `cleanup` commands to the llmchaos command line."""
+    stack = subparsers.add_parser("stack", help="the embedded reference serving stack")
+    actions = stack.add_subparsers(dest="stack_command", required=True, metavar="ACTION")
+
+    up = actions.add_parser("up", help="start the stack and print its topology file")
+    variants = "; ".join(f"{v.name}: {v.description}" for v in VARIANTS.values())
+    up.add_argument(
+        "--variant", default=DEFAULT_VARIANT, help=f"target variant ({variants})", metavar="V"
+    )
+    up.add_argument(
+        "--netns",
+        default=_DEFAULTS.netns,
+        choices=["auto", "on", "off"],
+        help="nodes as network namespaces (on needs root; auto = on when root)",
+    )
+    up.add_argument("--gpu-workers", type=int, default=_DEFAULTS.gpu_workers, metavar="N")
+    up.add_argument("--cpu-workers", type=int, default=_DEFAULTS.cpu_workers, metavar="N")
+    up.add_argument(
+        "--port", type=int, default=_DEFAULTS.port, help="HAProxy port on 127.0.0.1 (0: any free)"
+    )
+    up.add_argument(
+        "--gpu-load-s",
+        type=float,
+        default=_DEFAULTS.gpu_load_s,
+        help="model-load seconds of a GPU worker at each (re)start",
+    )
+    _add_state_root(up)
+    up.set_defaults(func=_up)
+
+    status = actions.add_parser("status", help="topology with live health")
+    status.add_argument("--json", action="store_true", help="print the full status as JSON")
+    _add_state_options(status)
+    status.set_defaults(func=_status)
+
+    down = actions.add_parser("down", help="stop all that `stack up` started")
+    _add_state_options(down)
+    down.set_defaults(func=_down)
+
+    clean = subparsers.add_parser(
+        "cleanup", help="remove processes, namespaces and links left by crashed or killed runs"
+    )
+    clean.add_argument("--stack", metavar="ID", help="only this stack (default: all of them)")
+    clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    _add_state_root(clean)
+    clean.set_defaults(func=_cleanup)
+
+
+def _add_state_root(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-root",
+        type=Path,
+        default=_DEFAULTS.state_root,
+        help=f"folder of the stacks' state folders (default {_DEFAULTS.state_root})",
+    )
+
+
+def _add_state_options(parser: argparse.ArgumentParser) -> None:
+    _add_state_root(parser)
+    parser.add_argument("--state", type=Path, help="a stack's state folder (default: current)")
+
+
+def _up(args: argparse.Namespace) -> int:
+    config = StackConfig(
+        variant=args.variant,
+        netns=args.netns,
+        gpu_workers=args.gpu_workers,
+        cpu_workers=args.cpu_workers,
+        port=args.port,
+        gpu_load_s=args.gpu_load_s,
+        state_root=args.state_root,
+    )
+    topology = start_stack(config, progress=True)
+    print(f"stack {topology.stack_id} ({topology.variant}) up: {topology.gateway_url}")
+    print(f"tokens: {topology.tokens_file}")
+    print(topology.path)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    topology = Topology.load(find_state_dir(args.state_root, args.state))
+    status = live_status(topology)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"stack {topology.stack_id} ({topology.variant}, {topology.status})")
+    print(f"  haproxy {topology.gateway_url} alive={status['haproxy_alive']}")
+    for g in status["gateways"]:  # type: ignore[attr-defined]
+        print(f"  {g['name']:<16} {g['url']:<24} healthz={g['healthz']} haproxy={g['haproxy_state']}")
+    for n in status["nodes"]:  # type: ignore[attr-defined]
+        where = n["netns"] or "loopback"
+        print(f"  {n['name']:<8} {where:<24} agent={n['agent_alive']} partitioned={n['partitioned']}")
+        for w in n["workers"]:
+            print(
+                f"    {w['name']:<6} {w['mode']} {w['url']:<26} pid={w['pid']} "
+                f"restarts={w['restarts']} healthz={w['healthz']}"
+            )
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    topology = Topology.load(find_state_dir(args.state_root, args.state))
+    stopped = stop_stack(topology)
+    print(f"stack {topology.stack_id} down ({len(stopped)} processes stopped)")
+    return 0
+
+
+def _cleanup(args: argparse.Namespace) -> int:
+    report = cleanup(args.state_root, args.stack, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"cleanup {verb}:" if not report.empty else "cleanup: nothing left behind")
+    for line in report.lines():
+        print(f"  {line}")
+    return 0

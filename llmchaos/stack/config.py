@@ -1,0 +1,135 @@
+"""What to start: `StackConfig`, and the variants of the target (hardened and known-bad ones).
+
+A known-bad variant removes exactly one protection, so that the experiment testing that
+protection can be shown to fail against it (a probe that cannot fail proves nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from llmchaos.errors import InvalidInput
+from llmchaos.stack.settings import CacheSettings, GatewaySettings
+
+__all__ = ["DEFAULT_VARIANT", "VARIANTS", "NetnsMode", "StackConfig", "Variant", "get_variant"]
+
+NetnsMode = Literal["auto", "on", "off"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A flavour of the reference stack."""
+
+    name: str
+    """Name used on the command line and in experiments (`--variant`)."""
+    description: str
+    """One line for `llmchaos stack up --help` and reports."""
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    """Token cache behaviour of the gateways."""
+    cpu_fallback: bool = True
+    """Whether gateways fall back to CPU workers when no GPU worker can serve."""
+    backup_gateway: bool = True
+    """Whether HAProxy has a backup gateway to fail over to."""
+
+    def gateway_settings(self, base: GatewaySettings) -> GatewaySettings:
+        """`base` with this variant's gateway behaviour applied."""
+        return dataclasses.replace(base, cache=self.cache, cpu_fallback=self.cpu_fallback)
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant(
+            "hardened",
+            "all protections on: TTL jitter, negative caching, coalesced misses, CPU fallback, "
+            "backup gateway",
+        ),
+        Variant(
+            "naive-cache",
+            "token cache with a fixed TTL, no negative caching and no miss coalescing",
+            cache=CacheSettings(ttl_jitter_s=0.0, negative_ttl_s=0.0, coalesce_misses=False),
+        ),
+        Variant(
+            "no-cpu-fallback",
+            "gateways answer 503 instead of serving from CPU workers when no GPU is left",
+            cpu_fallback=False,
+        ),
+        Variant(
+            "no-backup-gateway",
+            "HAProxy has only the primary gateway: a gateway crash is an outage",
+            backup_gateway=False,
+        ),
+    )
+}
+DEFAULT_VARIANT = "hardened"
+
+
+def get_variant(name: str) -> Variant:
+    """The variant called `name`; raises InvalidInput listing the known ones."""
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise InvalidInput(
+            f"unknown variant {name!r}; expected one of: {', '.join(VARIANTS)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Everything `llmchaos stack up` can be told. Defaults give the reference topology:
+    node-a (gpu-0), node-b (gpu-1), node-c (cpu-0), two gateways behind HAProxy on :8800."""
+
+    variant: str = DEFAULT_VARIANT
+    """Name of a `Variant` in VARIANTS."""
+    netns: NetnsMode = "auto"
+    """Nodes as network namespaces: on (needs root), off (loopback), auto (on when root)."""
+    gpu_workers: int = 2
+    """GPU workers, one per node (node-a, node-b, ...)."""
+    cpu_workers: int = 1
+    """CPU fallback workers, all on the node after the GPU nodes (node-c by default)."""
+    port: int = 8800
+    """HAProxy's front port on 127.0.0.1 (the gateway URL); 0 picks a free one."""
+    model: str = "llmchaos-7b"
+    """The one model the stack serves."""
+    gpu_load_s: float = 3.0
+    """Model-load time of a GPU worker at every (re)start: the not-ready gap after a kill.
+    Kubernetes plus a real 7B model takes tens of seconds; locally a few keep runs short."""
+    cpu_load_s: float = 1.0
+    """Model-load time of a CPU worker."""
+    restart_delay_s: float = 0.5
+    """How long a node agent waits before restarting a process that died (kubelet backoff)."""
+    tenants: int = 8
+    """Tenants seeded in the token table."""
+    tokens_per_tenant: int = 4
+    """Valid tokens per tenant."""
+    revoked_tokens: int = 4
+    """Revoked tokens in the table (listed in the tokens file as revoked, for negative tests)."""
+    token_db_latency_ms: float = 5.0
+    """Added to every token-table lookup: the round trip to a networked database."""
+    queue_shed_threshold: int = 500
+    """Gateways shed with 429 above this many queued requests."""
+    state_root: Path = Path("reports/stacks")
+    """Folder holding one state folder per stack (topology, settings, logs, data)."""
+    ready_timeout_s: float = 60.0
+    """Deadline for each component to report ready."""
+
+    def __post_init__(self) -> None:
+        get_variant(self.variant)
+        if self.netns not in ("auto", "on", "off"):
+            raise InvalidInput(f"netns: expected auto, on or off, got {self.netns!r}")
+        for name, low in (("gpu_workers", 0), ("cpu_workers", 0), ("tenants", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise InvalidInput(f"{name}: expected an integer >= {low}, got {value!r}")
+        if self.gpu_workers + self.cpu_workers < 1:
+            raise InvalidInput("gpu_workers + cpu_workers: expected at least one worker")
+        if self.gpu_workers > 20:
+            raise InvalidInput(f"gpu_workers: expected at most 20, got {self.gpu_workers}")
+        if not 0 <= self.port <= 65535:
+            raise InvalidInput(f"port: expected 0..65535, got {self.port}")
+        for name in ("gpu_load_s", "cpu_load_s", "restart_delay_s", "token_db_latency_ms"):
+            if getattr(self, name) < 0:
+                raise InvalidInput(f"{name}: expected >= 0, got {getattr(self, name)}")

@@ -1,0 +1,205 @@
+"""Nodes as Linux network namespaces, and partitions as iptables rules inside them.
+
+Each node gets a namespace `llmc-<short id>-<node>` joined to the host by a veth pair
+`lc<short id>-<i>h` (host side) / `lc<short id>-<i>n` (namespace side) on a /30 of
+10.203.K.0/24, K chosen so it collides with no address or route on the host. Traffic to a node
+never leaves the machine. A partition is a DROP rule (both directions, loopback spared) in the
+node's own namespace, so clients see timeouts rather than refusals, and deleting the namespace
+deletes the rules with it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from llmchaos.errors import InvalidInput, StackError
+
+__all__ = [
+    "NETNS_PREFIX",
+    "NodeNetwork",
+    "check_netns_support",
+    "create_node_network",
+    "delete_link",
+    "delete_namespace",
+    "delete_node_network",
+    "heal_partition",
+    "is_partitioned",
+    "list_links",
+    "list_namespaces",
+    "partition_namespace",
+    "pick_subnet",
+]
+
+NETNS_PREFIX = "llmc-"
+"""Every namespace the stack creates starts with this; `llmchaos cleanup` removes them all."""
+_LINK_PATTERN = re.compile(r"^lc[0-9a-f]{4}-\d+[hn]$")
+_PARTITION_COMMENT = "llmchaos-partition"
+_SUBNET_BASE = ipaddress.ip_network("10.203.0.0/16")
+
+
+@dataclass(frozen=True)
+class NodeNetwork:
+    """The network of one node namespace."""
+
+    netns: str
+    """Namespace name."""
+    veth_host: str
+    """Host end of the veth pair."""
+    veth_ns: str
+    """Namespace end of the veth pair."""
+    host_address: str
+    """Host-side address (the gateways' source address towards this node)."""
+    address: str
+    """The node's address: workers on this node bind to it."""
+
+
+def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and result.returncode != 0:
+        raise StackError(
+            f"{' '.join(argv)} failed: {result.stderr.strip() or result.stdout.strip()}"
+        )
+    return result
+
+
+def check_netns_support() -> str | None:
+    """None when network namespaces can be used here, else the reason why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root, or use --netns off)"
+    for tool in ("ip", "iptables"):
+        if shutil.which(tool) is None:
+            return f"{tool!r} not found (apt-get install iproute2 iptables, or use --netns off)"
+    return None
+
+
+def pick_subnet() -> ipaddress.IPv4Network:
+    """A 10.203.K.0/24 that no host address or route overlaps."""
+    used: list[ipaddress.IPv4Network] = []
+    for argv in (["ip", "-4", "-o", "addr", "show"], ["ip", "-4", "route", "show", "table", "all"]):
+        for token in _run(argv, check=False).stdout.split():
+            try:
+                net = ipaddress.ip_network(token, strict=False)
+            except ValueError:
+                continue
+            if isinstance(net, ipaddress.IPv4Network):
+                used.append(net)
+    for candidate in _SUBNET_BASE.subnets(new_prefix=24):
+        if candidate.network_address.packed[2] == 0:
+            continue
+        if not any(candidate.overlaps(net) for net in used if net.prefixlen > 0):
+            return candidate
+    raise StackError("no free 10.203.K.0/24 subnet for node namespaces (stale stacks? run cleanup)")
+
+
+def create_node_network(
+    short_id: str, index: int, node: str, subnet: ipaddress.IPv4Network
+) -> NodeNetwork:
+    """Create the namespace and veth pair of node number `index`.
+
+    Raises StackError (after removing what it created) when a step fails.
+    """
+    if not re.fullmatch(r"[0-9a-f]{4}", short_id):
+        raise InvalidInput(f"short stack id must be 4 hex digits, got {short_id!r}")
+    base = int(subnet.network_address) + 4 * index
+    host_ip, ns_ip = ipaddress.ip_address(base + 1), ipaddress.ip_address(base + 2)
+    net = NodeNetwork(
+        netns=f"{NETNS_PREFIX}{short_id}-{node}",
+        veth_host=f"lc{short_id}-{index}h",
+        veth_ns=f"lc{short_id}-{index}n",
+        host_address=str(host_ip),
+        address=str(ns_ip),
+    )
+    steps = [
+        ["ip", "netns", "add", net.netns],
+        ["ip", "link", "add", net.veth_host, "type", "veth", "peer", "name", net.veth_ns],
+        ["ip", "link", "set", net.veth_ns, "netns", net.netns],
+        ["ip", "addr", "add", f"{host_ip}/30", "dev", net.veth_host],
+        ["ip", "link", "set", net.veth_host, "up"],
+        ["ip", "-n", net.netns, "addr", "add", f"{ns_ip}/30", "dev", net.veth_ns],
+        ["ip", "-n", net.netns, "link", "set", net.veth_ns, "up"],
+        ["ip", "-n", net.netns, "link", "set", "lo", "up"],
+    ]
+    try:
+        for argv in steps:
+            _run(argv)
+    except StackError:
+        delete_node_network(net)
+        raise
+    return net
+
+
+def delete_node_network(net: NodeNetwork) -> None:
+    """Remove the node's namespace (its rules and veth end go with it) and the host veth end."""
+    delete_namespace(net.netns)
+    delete_link(net.veth_host)
+
+
+def delete_namespace(name: str) -> None:
+    """Delete namespace `name` if it exists; its iptables rules and veth ends go with it."""
+    if name:
+        _run(["ip", "netns", "del", name], check=False)
+
+
+def delete_link(name: str) -> None:
+    """Delete host link `name` if it exists (deleting one veth end deletes the pair)."""
+    if name:
+        _run(["ip", "link", "del", name], check=False)
+
+
+def _iptables(netns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return _run(["ip", "netns", "exec", netns, "iptables", "-w", *args], check=check)
+
+
+_RULES = (
+    ("INPUT", "!", "-i", "lo"),
+    ("OUTPUT", "!", "-o", "lo"),
+)
+
+
+def partition_namespace(netns: str) -> None:
+    """Drop every packet in and out of `netns` except on its loopback. Idempotent."""
+    for chain, *match in _RULES:
+        spec = [*match, "-m", "comment", "--comment", _PARTITION_COMMENT, "-j", "DROP"]
+        if _iptables(netns, "-C", chain, *spec, check=False).returncode != 0:
+            _iptables(netns, "-I", chain, "1", *spec)
+
+
+def heal_partition(netns: str) -> None:
+    """Remove the partition rules from `netns`. Idempotent."""
+    for chain, *match in _RULES:
+        spec = [*match, "-m", "comment", "--comment", _PARTITION_COMMENT, "-j", "DROP"]
+        while _iptables(netns, "-C", chain, *spec, check=False).returncode == 0:
+            _iptables(netns, "-D", chain, *spec)
+
+
+def is_partitioned(netns: str) -> bool:
+    """True when `netns` holds a partition rule."""
+    return _PARTITION_COMMENT in _iptables(netns, "-S", check=False).stdout
+
+
+def list_namespaces() -> list[str]:
+    """Namespaces of ours that exist now (any stack)."""
+    if shutil.which("ip") is None:
+        return []
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(NETNS_PREFIX)]
+
+
+def list_links() -> list[str]:
+    """Host network links of ours that exist now (any stack)."""
+    if shutil.which("ip") is None:
+        return []
+    out = _run(["ip", "-o", "link", "show"], check=False).stdout
+    links = []
+    for line in out.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) >= 2:
+            name = parts[1].strip().split("@", 1)[0]
+            if _LINK_PATTERN.match(name):
+                links.append(name)
+    return links

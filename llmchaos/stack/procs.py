@@ -1,0 +1,220 @@
+"""Processes of the stack: start them marked, wait for them, stop them, find them again.
+
+Every process the stack starts carries the environment variable `LLMCHAOS_STACK=<stack id>`.
+/proc/<pid>/environ keeps it for the life of the process, which is how `stop_stack_processes`
+and `llmchaos cleanup` find what a crashed or killed run left behind — also processes whose
+parent died and that were re-parented to init.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from llmchaos.errors import ComponentNotReady, InvalidInput
+
+__all__ = [
+    "STACK_ENV",
+    "find_stack_processes",
+    "free_port",
+    "http_get_status",
+    "pid_alive",
+    "port_in_use",
+    "set_parent_death_signal",
+    "spawn",
+    "stop_pids",
+    "stop_stack_processes",
+    "wait_until",
+]
+
+STACK_ENV = "LLMCHAOS_STACK"
+"""Environment marker set on every process a stack starts; its value is the stack id."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something already listens on (or holds) `host:port`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux prctl).
+
+    Used in node agents' children, so a SIGKILLed agent takes its workers with it.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    stack_id: str,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start `argv` in its own session, marked with the stack id, output appended to `log_path`.
+
+    Own session: a Ctrl-C in the terminal that ran `stack up` must not reach the stack; the
+    stack is stopped by `stack down`, the control's cleanup, or `llmchaos cleanup`.
+    Raises InvalidInput when the executable does not exist.
+    """
+    full_env = {**os.environ, **(env or {}), STACK_ENV: stack_id}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        try:
+            return subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
+                preexec_fn=preexec_fn,
+            )
+        except FileNotFoundError as exc:
+            raise InvalidInput(f"cannot start {argv[0]!r}: not found") from exc
+
+
+def pid_alive(pid: int) -> bool:
+    """True when `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # state is the field after the parenthesised command name, which may contain spaces
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def stop_pids(pids: Sequence[int], grace_s: float = 3.0) -> list[int]:
+    """SIGTERM `pids`, SIGKILL what is still alive after `grace_s`; returns the pids that were
+    alive at the start."""
+    alive = [pid for pid in pids if pid_alive(pid)]
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    remaining = list(alive)
+    while remaining and time.monotonic() < deadline:
+        for pid in remaining:
+            _reap(pid)
+        remaining = [pid for pid in remaining if pid_alive(pid)]
+        if remaining:
+            time.sleep(0.05)
+    for pid in remaining:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in remaining:
+        _wait_gone(pid, 2.0)
+    return alive
+
+
+def _wait_gone(pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _reap(pid)
+        if not pid_alive(pid):
+            return
+        time.sleep(0.02)
+
+
+def find_stack_processes(stack_id: str | None = None) -> list[int]:
+    """Pids of live processes marked with `stack_id` (any stack when None), except this one."""
+    me = os.getpid()
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        for item in environ.split(b"\0"):
+            if item.startswith(STACK_ENV.encode() + b"="):
+                value = item.split(b"=", 1)[1].decode(errors="replace")
+                if (stack_id is None or value == stack_id) and pid_alive(int(entry.name)):
+                    found.append(int(entry.name))
+                break
+    return sorted(found)
+
+
+def stop_stack_processes(stack_id: str | None = None, grace_s: float = 3.0) -> list[int]:
+    """Stop every live process marked with `stack_id` (all stacks when None)."""
+    return stop_pids(find_stack_processes(stack_id), grace_s=grace_s)
+
+
+def http_get_status(url: str, timeout_s: float = 1.0) -> int | None:
+    """HTTP status of GET `url`, or None when nothing answered in time."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return None
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], bool],
+    timeout_s: float,
+    *,
+    process: subprocess.Popen[bytes] | None = None,
+    log_path: Path | None = None,
+    interval_s: float = 0.05,
+) -> None:
+    """Poll `check` until it is true.
+
+    Raises ComponentNotReady naming `what` (and the log's last lines) when the deadline passes
+    or `process` exits first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if check():
+            return
+        if process is not None and process.poll() is not None:
+            raise ComponentNotReady(
+                f"{what} exited with code {process.returncode} before it was ready"
+                + _log_tail(log_path)
+            )
+        if time.monotonic() >= deadline:
+            raise ComponentNotReady(
+                f"{what} not ready after {timeout_s:.0f} s" + _log_tail(log_path)
+            )
+        time.sleep(interval_s)
+
+
+def _log_tail(log_path: Path | None, lines: int = 5) -> str:
+    if log_path is None or not log_path.exists():
+        return ""
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+    return f" (log {log_path}: " + " | ".join(tail) + ")" if tail else f" (log {log_path} is empty)"

@@ -1,0 +1,137 @@
+"""The stack's third-party servers: Redis (token cache) and HAProxy (front door).
+
+Both are the real Debian binaries, run in the foreground under the stack's marker, with every
+file they write inside the stack's state folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmchaos.errors import InvalidInput
+from llmchaos.stack.procs import spawn
+
+__all__ = [
+    "HaproxyServer",
+    "haproxy_config",
+    "haproxy_server_states",
+    "require_binary",
+    "start_haproxy",
+    "start_redis",
+]
+
+_INSTALL_HINT = {
+    "redis-server": "apt-get install redis-server",
+    "haproxy": "apt-get install haproxy",
+}
+
+
+def require_binary(name: str) -> str:
+    """Path of executable `name`; raises InvalidInput saying how to install it."""
+    path = shutil.which(name)
+    if path is None:
+        hint = _INSTALL_HINT.get(name, f"install {name}")
+        raise InvalidInput(f"{name} not found on PATH ({hint}, or run `make setup`)")
+    return path
+
+
+def start_redis(state_dir: Path, port: int, stack_id: str) -> subprocess.Popen[bytes]:
+    """redis-server on 127.0.0.1:`port` without persistence (a cache, like the seed's)."""
+    data_dir = state_dir / "redis"
+    data_dir.mkdir(exist_ok=True)
+    argv = [
+        require_binary("redis-server"),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", str(data_dir),
+        "--daemonize", "no",
+    ]  # fmt: skip
+    return spawn(argv, stack_id=stack_id, log_path=state_dir / "logs" / "redis.log")
+
+
+@dataclass(frozen=True)
+class HaproxyServer:
+    """A gateway as an HAProxy server line."""
+
+    name: str
+    address: str
+    backup: bool
+
+
+def haproxy_config(port: int, servers: list[HaproxyServer], stats_socket: Path) -> str:
+    """HAProxy config: one front on 127.0.0.1:`port`, gateways checked every second.
+
+    `fall 2 rise 2` at 1 s marks a dead primary down in ~2 s, then the backup serves; a
+    refused connection is retried and redispatched so that, once the primary is down, the
+    retries land on the backup.
+    """
+    lines = [
+        "global",
+        "    maxconn 20000",
+        f"    stats socket {stats_socket} mode 600 level admin",
+        "defaults",
+        "    mode http",
+        "    timeout connect 1s",
+        "    timeout client 30s",
+        "    timeout server 30s",
+        "    timeout http-keep-alive 30s",
+        "    retries 2",
+        "    option redispatch",
+        "frontend api",
+        f"    bind 127.0.0.1:{port}",
+        "    default_backend gateways",
+        "backend gateways",
+        "    option httpchk GET /healthz",
+        "    http-check expect status 200",
+        "    default-server inter 1s fastinter 500ms downinter 1s fall 2 rise 2",
+    ]
+    for server in servers:
+        backup = " backup" if server.backup else ""
+        lines.append(f"    server {server.name} {server.address} check{backup}")
+    return "\n".join(lines) + "\n"
+
+
+def start_haproxy(config_path: Path, state_dir: Path, stack_id: str) -> subprocess.Popen[bytes]:
+    """HAProxy in the foreground (`-db`) with `config_path`; raises InvalidInput on a bad one."""
+    binary = require_binary("haproxy")
+    check = subprocess.run(
+        [binary, "-c", "-q", "-f", str(config_path)], capture_output=True, text=True, timeout=30
+    )
+    if check.returncode != 0:
+        raise InvalidInput(f"{config_path}: haproxy rejects it: {check.stderr.strip()}")
+    return spawn(
+        [binary, "-db", "-f", str(config_path)],
+        stack_id=stack_id,
+        log_path=state_dir / "logs" / "haproxy.log",
+    )
+
+
+def haproxy_server_states(stats_socket: Path, timeout_s: float = 1.0) -> dict[str, str]:
+    """Server name -> HAProxy status (UP, DOWN, MAINT ...) of the gateways backend; empty when
+    the stats socket does not answer."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(str(stats_socket))
+            sock.sendall(b"show stat\n")
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+    except OSError:
+        return {}
+    states: dict[str, str] = {}
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
+        fields = line.split(",")
+        if (
+            len(fields) > 17
+            and fields[0] == "gateways"
+            and fields[1] not in ("BACKEND", "FRONTEND")
+        ):
+            states[fields[1]] = fields[17]
+    return states

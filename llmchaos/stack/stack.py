@@ -1,0 +1,382 @@
+"""Start and stop the embedded reference serving stack.
+
+    start_stack(StackConfig()) -> Topology      # Redis, token DB, nodes, agents, workers,
+                                                #  gateways, HAProxy; each waited for
+    stop_stack(topology)                        # all of it, and only it
+
+`start_stack` removes whatever it had started when a step fails or it is interrupted, so a
+failed `up` leaves nothing behind. Processes are found again by their `LLMCHAOS_STACK` marker
+and namespaces by name, so `stop_stack` also catches restarted workers and stray children.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from llmchaos.errors import InvalidInput
+from llmchaos.stack import netns
+from llmchaos.stack.agent import AgentSettings, AgentWorker
+from llmchaos.stack.config import StackConfig, get_variant
+from llmchaos.stack.procs import (
+    free_port,
+    http_get_status,
+    pid_alive,
+    port_in_use,
+    spawn,
+    stop_pids,
+    stop_stack_processes,
+    wait_until,
+)
+from llmchaos.stack.services import (
+    HaproxyServer,
+    haproxy_config,
+    require_binary,
+    start_haproxy,
+    start_redis,
+)
+from llmchaos.stack.settings import (
+    CPU_PROFILE,
+    GPU_PROFILE,
+    GatewaySettings,
+    UpstreamWorker,
+    WorkerSettings,
+    write_settings,
+)
+from llmchaos.stack.tokendb import seed_token_db
+from llmchaos.stack.topology import (
+    CURRENT_FILE,
+    GatewayInfo,
+    NodeInfo,
+    Topology,
+    WorkerInfo,
+    read_agent_state,
+)
+
+__all__ = [
+    "WORKER_PORT",
+    "live_status",
+    "start_gateway",
+    "start_stack",
+    "stop_stack",
+    "use_netns",
+]
+
+WORKER_PORT = 8000
+"""Port of every worker inside its own namespace (loopback mode picks free ports instead)."""
+
+
+def use_netns(config: StackConfig) -> bool:
+    """Whether nodes will be namespaces; raises InvalidInput for `on` where it cannot work."""
+    reason = netns.check_netns_support()
+    if config.netns == "on" and reason is not None:
+        raise InvalidInput(f"--netns on: {reason}")
+    return config.netns != "off" and reason is None
+
+
+def _preflight(config: StackConfig) -> bool:
+    get_variant(config.variant)
+    require_binary("redis-server")
+    require_binary("haproxy")
+    with_netns = use_netns(config)
+    if config.port and port_in_use(config.port):
+        raise InvalidInput(
+            f"--port {config.port}: already in use on 127.0.0.1 (another stack? see "
+            "`llmchaos stack status`); choose another port or --port 0"
+        )
+    return with_netns
+
+
+def _new_stack_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def start_stack(config: StackConfig, *, progress: bool = False) -> Topology:
+    """Start the whole stack and wait until HAProxy serves through a gateway.
+
+    Raises InvalidInput before starting anything when the config cannot work here, and
+    ComponentNotReady/StackError (after tearing down what was started) when a part fails.
+    """
+    with_netns = _preflight(config)
+    stack_id = _new_stack_id()
+    state_dir = (Path(config.state_root) / stack_id).resolve()
+    (state_dir / "logs").mkdir(parents=True)
+    say = _progress(progress)
+    created: list[netns.NodeNetwork] = []
+    try:
+        topology = _start(config, stack_id, state_dir, with_netns, created, say)
+    except BaseException:
+        say("start failed: removing what was started")
+        _teardown(stack_id, created)
+        raise
+    topology.save()
+    (Path(config.state_root) / CURRENT_FILE).write_text(stack_id + "\n")
+    return topology
+
+
+def _progress(enabled: bool) -> Callable[[str], None]:
+    started = time.monotonic()
+
+    def say(message: str) -> None:
+        if enabled:
+            print(f"[{time.monotonic() - started:5.1f}s] {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _start(
+    config: StackConfig,
+    stack_id: str,
+    state_dir: Path,
+    with_netns: bool,
+    created: list[netns.NodeNetwork],
+    say: Callable[[str], None],
+) -> Topology:
+    variant = get_variant(config.variant)
+    logs = state_dir / "logs"
+
+    redis_port = free_port()
+    redis = start_redis(state_dir, redis_port, stack_id)
+    wait_until(
+        "redis-server",
+        lambda: _redis_ping(redis_port),
+        config.ready_timeout_s,
+        process=redis,
+        log_path=logs / "redis.log",
+    )
+    say(f"redis-server ready on 127.0.0.1:{redis_port}")
+
+    token_db, tokens_file = state_dir / "tokens.sqlite", state_dir / "tokens.json"
+    records = seed_token_db(
+        token_db,
+        tokens_file,
+        tenants=config.tenants,
+        tokens_per_tenant=config.tokens_per_tenant,
+        revoked=config.revoked_tokens,
+    )
+    say(f"token table seeded: {len(records)} tokens, {config.tenants} tenants -> {tokens_file}")
+
+    nodes = _start_nodes(config, stack_id, state_dir, with_netns, created)
+    for node in nodes:
+        for worker in node.workers:
+            wait_until(
+                f"worker {worker.name} on {node.name}",
+                lambda w=worker: http_get_status(f"{w.url}/healthz", 0.5) == 200,
+                config.ready_timeout_s,
+                log_path=Path(worker.log_path),
+            )
+    say("workers ready: " + ", ".join(f"{w.name}@{n.name}" for n in nodes for w in n.workers))
+
+    upstreams = tuple(
+        UpstreamWorker(w.name, w.url, w.mode, node=n.name) for n in nodes for w in n.workers
+    )
+    base = GatewaySettings(
+        models=(config.model,),
+        workers=upstreams,
+        redis_url=f"redis://127.0.0.1:{redis_port}/0",
+        token_db_path=str(token_db),
+        token_db_latency_ms=config.token_db_latency_ms,
+        queue_shed_threshold=config.queue_shed_threshold,
+    )
+    roles = ["primary", "backup"] if variant.backup_gateway else ["primary"]
+    gateways = []
+    for role in roles:
+        settings = replace(variant.gateway_settings(base), name=f"gateway-{role}", port=free_port())
+        gateways.append(start_gateway(settings, role, state_dir, stack_id, config.ready_timeout_s))
+    say("gateways ready: " + ", ".join(f"{g.name} {g.url}" for g in gateways))
+
+    port = config.port or free_port()
+    stats_socket = state_dir / "haproxy.sock"
+    config_path = state_dir / "haproxy.cfg"
+    servers = [
+        HaproxyServer(g.name, g.url.removeprefix("http://"), g.role == "backup") for g in gateways
+    ]
+    config_path.write_text(haproxy_config(port, servers, stats_socket))
+    haproxy = start_haproxy(config_path, state_dir, stack_id)
+    gateway_url = f"http://127.0.0.1:{port}"
+    wait_until(
+        "haproxy",
+        lambda: http_get_status(f"{gateway_url}/healthz", 0.5) == 200,
+        config.ready_timeout_s,
+        process=haproxy,
+        log_path=logs / "haproxy.log",
+    )
+    say(f"haproxy ready: {gateway_url}")
+
+    return Topology(
+        stack_id=stack_id,
+        state_dir=str(state_dir),
+        created_at=time.time(),
+        variant=variant.name,
+        status="running",
+        gateway_url=gateway_url,
+        model=config.model,
+        tokens_file=str(tokens_file),
+        token_db=str(token_db),
+        redis_url=f"redis://127.0.0.1:{redis_port}/0",
+        redis_pid=redis.pid,
+        haproxy_pid=haproxy.pid,
+        haproxy_config=str(config_path),
+        haproxy_stats_socket=str(stats_socket),
+        nodes=tuple(nodes),
+        gateways=tuple(gateways),
+    )
+
+
+def _node_names(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
+    """[(node, [(worker, mode), ...]), ...]: one GPU worker per node, then the CPU node."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    layout = [(f"node-{letters[i]}", [(f"gpu-{i}", "gpu")]) for i in range(config.gpu_workers)]
+    if config.cpu_workers:
+        cpu_node = f"node-{letters[config.gpu_workers]}"
+        layout.append((cpu_node, [(f"cpu-{i}", "cpu") for i in range(config.cpu_workers)]))
+    return layout
+
+
+def _start_nodes(
+    config: StackConfig,
+    stack_id: str,
+    state_dir: Path,
+    with_netns: bool,
+    created: list[netns.NodeNetwork],
+) -> list[NodeInfo]:
+    subnet = netns.pick_subnet() if with_netns else None
+    short_id = stack_id[-4:]
+    nodes = []
+    for index, (node, workers) in enumerate(_node_names(config)):
+        net = None
+        if subnet is not None:
+            net = netns.create_node_network(short_id, index, node, subnet)
+            created.append(net)
+        address = net.address if net else "127.0.0.1"
+        infos = []
+        for worker_index, (name, mode) in enumerate(workers):
+            port = WORKER_PORT + worker_index if net else free_port()
+            base = GPU_PROFILE if mode == "gpu" else CPU_PROFILE
+            load_s = config.gpu_load_s if mode == "gpu" else config.cpu_load_s
+            settings = WorkerSettings(
+                name=name,
+                node=node,
+                host=address,
+                port=port,
+                model=config.model,
+                profile=replace(base, load_s=load_s),
+            )
+            settings_path = write_settings(settings, state_dir / f"worker-{name}.json")
+            infos.append(
+                WorkerInfo(
+                    name=name,
+                    mode=settings.profile.mode,
+                    node=node,
+                    url=f"http://{address}:{port}",
+                    settings_path=str(settings_path),
+                    log_path=str(state_dir / "logs" / f"worker-{name}.log"),
+                )
+            )
+        agent_settings = AgentSettings(
+            node=node,
+            state_path=str(state_dir / f"agent-{node}.state.json"),
+            restart_delay_s=config.restart_delay_s,
+            workers=tuple(AgentWorker(w.name, w.settings_path, w.log_path) for w in infos),
+        )
+        agent_path = write_settings(agent_settings, state_dir / f"agent-{node}.json")
+        argv = [sys.executable, "-m", "llmchaos.stack.agent", "--settings", str(agent_path)]
+        if net is not None:
+            argv = ["ip", "netns", "exec", net.netns, *argv]
+        agent = spawn(argv, stack_id=stack_id, log_path=state_dir / "logs" / f"agent-{node}.log")
+        nodes.append(
+            NodeInfo(
+                name=node,
+                address=address,
+                netns=net.netns if net else None,
+                veth_host=net.veth_host if net else None,
+                agent_pid=agent.pid,
+                agent_state_path=agent_settings.state_path,
+                workers=tuple(infos),
+            )
+        )
+    return nodes
+
+
+def start_gateway(
+    settings: GatewaySettings, role: str, state_dir: Path, stack_id: str, timeout_s: float
+) -> GatewayInfo:
+    """Start one gateway process from `settings` and wait for its /healthz."""
+    settings_path = write_settings(settings, state_dir / f"{settings.name}.json")
+    log_path = state_dir / "logs" / f"{settings.name}.log"
+    argv = [sys.executable, "-m", "llmchaos.stack.gateway", "--settings", str(settings_path)]
+    proc = spawn(argv, stack_id=stack_id, log_path=log_path)
+    url = f"http://{settings.host}:{settings.port}"
+    wait_until(
+        settings.name,
+        lambda: http_get_status(f"{url}/healthz", 0.5) == 200,
+        timeout_s,
+        process=proc,
+        log_path=log_path,
+    )
+    return GatewayInfo(settings.name, role, url, proc.pid, str(settings_path), str(log_path))
+
+
+def _redis_ping(port: int) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(port=port, socket_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+def _teardown(stack_id: str, networks: list[netns.NodeNetwork]) -> None:
+    stop_stack_processes(stack_id)
+    for net in networks:
+        netns.delete_node_network(net)
+
+
+def stop_stack(topology: Topology, grace_s: float = 3.0) -> list[int]:
+    """Stop everything of `topology`: front first, so no new requests arrive at half a stack.
+
+    Returns the pids that were still running. Safe to call twice.
+    """
+    pids = [topology.haproxy_pid, *(g.pid for g in topology.gateways)]
+    stopped = stop_pids(pids, grace_s)
+    stopped += stop_pids([n.agent_pid for n in topology.nodes], grace_s)
+    stopped += stop_stack_processes(topology.stack_id, grace_s)
+    for node in topology.nodes:
+        netns.delete_namespace(node.netns or "")
+        netns.delete_link(node.veth_host or "")
+    if Path(topology.state_dir).exists():
+        topology.with_status("stopped").save()
+        current = Path(topology.state_dir).parent / CURRENT_FILE
+        if current.exists() and current.read_text().strip() == topology.stack_id:
+            current.unlink()
+    return stopped
+
+
+def live_status(topology: Topology) -> dict[str, object]:
+    """Topology plus what is alive and healthy right now, as plain JSON data."""
+    from llmchaos.stack.services import haproxy_server_states
+    from llmchaos.stack.settings import settings_to_dict
+
+    data = settings_to_dict(topology)
+    data["haproxy_alive"] = pid_alive(topology.haproxy_pid)
+    data["redis_alive"] = pid_alive(topology.redis_pid)
+    backend = haproxy_server_states(Path(topology.haproxy_stats_socket))
+    for gateway in data["gateways"]:
+        gateway["alive"] = pid_alive(gateway["pid"])
+        gateway["healthz"] = http_get_status(f"{gateway['url']}/healthz", 0.5)
+        gateway["haproxy_state"] = backend.get(gateway["name"])
+    for node, node_data in zip(topology.nodes, data["nodes"], strict=True):
+        state = read_agent_state(Path(node.agent_state_path))
+        node_data["agent_alive"] = pid_alive(node.agent_pid)
+        node_data["partitioned"] = bool(node.netns) and netns.is_partitioned(node.netns)
+        for worker_data in node_data["workers"]:
+            ws = state.workers.get(worker_data["name"]) if state else None
+            worker_data["pid"] = ws.pid if ws else None
+            worker_data["restarts"] = ws.restarts if ws else None
+            worker_data["running"] = ws.running if ws else False
+            worker_data["healthz"] = http_get_status(f"{worker_data['url']}/healthz", 0.5)
+    return data

@@ -1,0 +1,189 @@
+"""The topology of a running stack: what `stack up` started, where, and with which pids.
+
+Written as `topology.json` in the stack's state folder; probes, actions and the load read it
+to find the gateway URL, the tokens file, the nodes' namespaces and the workers' addresses.
+Worker pids change when a node agent restarts a worker, so they live in the agent's own state
+file (`AgentState`), not here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from llmchaos.errors import InvalidInput
+from llmchaos.stack.settings import ServingMode, settings_from_dict, write_settings
+
+__all__ = [
+    "CURRENT_FILE",
+    "AgentState",
+    "GatewayInfo",
+    "NodeInfo",
+    "Topology",
+    "WorkerInfo",
+    "WorkerState",
+    "find_state_dir",
+    "read_agent_state",
+]
+
+CURRENT_FILE = "current"
+"""File in the state root naming the stack that `status`/`down` act on by default."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """An engine worker as placed by `stack up`."""
+
+    name: str
+    mode: ServingMode
+    node: str
+    url: str
+    """Base URL, reachable from the host (the node's namespace address when netns is on)."""
+    settings_path: str
+    log_path: str
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node: a network namespace (or the host's loopback) with its agent and workers."""
+
+    name: str
+    address: str
+    """Address the node's workers bind to."""
+    netns: str | None
+    """Namespace name, None when nodes share the host's loopback."""
+    veth_host: str | None
+    agent_pid: int
+    agent_state_path: str
+    workers: tuple[WorkerInfo, ...]
+
+
+@dataclass(frozen=True)
+class GatewayInfo:
+    """An API gateway process behind HAProxy."""
+
+    name: str
+    role: str
+    """primary or backup (HAProxy sends to the backup only when the primary is down)."""
+    url: str
+    pid: int
+    settings_path: str
+    log_path: str
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Everything one `stack up` started."""
+
+    stack_id: str
+    state_dir: str
+    created_at: float
+    variant: str
+    status: str
+    """running or stopped."""
+    gateway_url: str
+    """HAProxy's front URL: what clients and the load use."""
+    model: str
+    tokens_file: str
+    token_db: str
+    redis_url: str
+    redis_pid: int
+    haproxy_pid: int
+    haproxy_config: str
+    haproxy_stats_socket: str
+    nodes: tuple[NodeInfo, ...]
+    gateways: tuple[GatewayInfo, ...]
+
+    @property
+    def path(self) -> Path:
+        return Path(self.state_dir) / "topology.json"
+
+    def save(self) -> Path:
+        return write_settings(self, self.path)
+
+    def with_status(self, status: str) -> Topology:
+        return replace(self, status=status)
+
+    def node(self, name: str) -> NodeInfo:
+        """The node called `name`; raises InvalidInput listing the known ones."""
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise InvalidInput(f"unknown node {name!r}; nodes: {', '.join(n.name for n in self.nodes)}")
+
+    def worker(self, name: str) -> WorkerInfo:
+        """The worker called `name`; raises InvalidInput listing the known ones."""
+        workers = [w for n in self.nodes for w in n.workers]
+        for worker in workers:
+            if worker.name == name:
+                return worker
+        raise InvalidInput(
+            f"unknown worker {name!r}; workers: {', '.join(w.name for w in workers)}"
+        )
+
+    @classmethod
+    def load(cls, state_dir: Path) -> Topology:
+        """Read `state_dir/topology.json`; raises InvalidInput when it is missing or broken."""
+        path = Path(state_dir) / "topology.json"
+        try:
+            data = json.loads(path.read_text())
+        except OSError:
+            raise InvalidInput(
+                f"{path}: no topology (is {state_dir} a stack state folder?)"
+            ) from None
+        except ValueError as exc:
+            raise InvalidInput(f"{path}: not JSON: {exc}") from None
+        return settings_from_dict(cls, data, str(path))
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """A worker as its node agent last saw it."""
+
+    pid: int
+    started_at: float
+    restarts: int = 0
+    running: bool = True
+    last_exit_code: int | None = None
+    last_exit_at: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentState:
+    """State file of a node agent, rewritten on every change."""
+
+    node: str
+    agent_pid: int
+    updated_at: float
+    workers: dict[str, WorkerState]
+
+
+def read_agent_state(path: Path) -> AgentState | None:
+    """The agent's last state, or None when it has not written one yet."""
+    try:
+        data: dict[str, Any] = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    workers = {name: WorkerState(**w) for name, w in data.get("workers", {}).items()}
+    return AgentState(data["node"], data["agent_pid"], data["updated_at"], workers)
+
+
+def find_state_dir(state_root: Path, state_dir: Path | None = None) -> Path:
+    """The state folder to act on: `state_dir` if given, else the root's current stack.
+
+    Raises InvalidInput when there is none.
+    """
+    if state_dir is not None:
+        if not (Path(state_dir) / "topology.json").exists():
+            raise InvalidInput(f"--state {state_dir}: no topology.json there")
+        return Path(state_dir)
+    current = Path(state_root) / CURRENT_FILE
+    try:
+        stack_id = current.read_text().strip()
+    except OSError:
+        raise InvalidInput(
+            f"no stack found under {state_root} (start one with `llmchaos stack up`)"
+        ) from None
+    return Path(state_root) / stack_id

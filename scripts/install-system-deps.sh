@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install the system packages the embedded stack runs on, when they are missing.
+# Safe to run again: it installs nothing when everything is there.
+set -euo pipefail
+declare -A package_of=([redis-server]=redis-server [haproxy]=haproxy [iptables]=iptables [ip]=iproute2)
+missing=()
+for tool in "${!package_of[@]}"; do
+  command -v "$tool" >/dev/null 2>&1 || [[ -x /usr/sbin/$tool || -x /sbin/$tool ]] || missing+=("${package_of[$tool]}")
+done
+if ((${#missing[@]} == 0)); then
+  exit 0
+fi
+if [[ $(id -u) -ne 0 ]]; then
+  echo "missing system packages: ${missing[*]} (not root: install them with sudo apt-get install ${missing[*]})" >&2
+  exit 0
+fi
+if ! command -v apt-get >/dev/null 2>&1; then
+  echo "missing system packages: ${missing[*]} and no apt-get here: install them by hand" >&2
+  exit 1
+fi
+echo "installing system packages: ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
