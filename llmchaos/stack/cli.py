@@ -104,10 +104,14 @@ def _status(args: argparse.Namespace) -> int:
     print(f"stack {topology.stack_id} ({topology.variant}, {topology.status})")
     print(f"  haproxy {topology.gateway_url} alive={status['haproxy_alive']}")
     for g in status["gateways"]:  # type: ignore[attr-defined]
-        print(f"  {g['name']:<16} {g['url']:<24} healthz={g['healthz']} haproxy={g['haproxy_state']}")
+        print(
+            f"  {g['name']:<16} {g['url']:<24} healthz={g['healthz']} haproxy={g['haproxy_state']}"
+        )
     for n in status["nodes"]:  # type: ignore[attr-defined]
         where = n["netns"] or "loopback"
-        print(f"  {n['name']:<8} {where:<24} agent={n['agent_alive']} partitioned={n['partitioned']}")
+        print(
+            f"  {n['name']:<8} {where:<24} agent={n['agent_alive']} partitioned={n['partitioned']}"
+        )
         for w in n["workers"]:
             print(
                 f"    {w['name']:<6} {w['mode']} {w['url']:<26} pid={w['pid']} "

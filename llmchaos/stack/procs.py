@@ -1,9 +1,10 @@
 """Processes of the stack: start them marked, wait for them, stop them, find them again.
 
-Every process the stack starts carries the environment variable `LLMCHAOS_STACK=<stack id>`.
-/proc/<pid>/environ keeps it for the life of the process, which is how `stop_stack_processes`
-and `llmchaos cleanup` find what a crashed or killed run left behind — also processes whose
-parent died and that were re-parented to init.
+Every process the stack starts carries the environment variable `LLMCHAOS_STACK=<stack id>`;
+`stop_stack_processes` and `llmchaos cleanup` find what a crashed or killed run left behind by
+it — also processes whose parent died and that went to init. redis-server overwrites its
+environment block with its process title, so it is known instead by its working directory:
+the `redis` folder inside a state folder named by the stack id.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +26,7 @@ from llmchaos.errors import ComponentNotReady, InvalidInput
 
 __all__ = [
     "STACK_ENV",
+    "STACK_ID_PATTERN",
     "find_stack_processes",
     "free_port",
     "http_get_status",
@@ -75,7 +78,6 @@ def spawn(
     stack_id: str,
     log_path: Path,
     env: dict[str, str] | None = None,
-    preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start `argv` in its own session, marked with the stack id, output appended to `log_path`.
 
@@ -94,7 +96,6 @@ def spawn(
                 stderr=subprocess.STDOUT,
                 env=full_env,
                 start_new_session=True,
-                preexec_fn=preexec_fn,
             )
         except FileNotFoundError as exc:
             raise InvalidInput(f"cannot start {argv[0]!r}: not found") from exc
@@ -147,24 +148,54 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
+STACK_ID_PATTERN = re.compile(r"\d{8}-\d{6}-[0-9a-f]{4}")
+"""Shape of a stack id (and of its state folder's name): <date>-<time>-<4 hex>."""
+
+
+def _marked_stack_id(proc: Path) -> str | None:
+    try:
+        environ = (proc / "environ").read_bytes()
+    except OSError:
+        return None
+    prefix = STACK_ENV.encode() + b"="
+    for item in environ.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix) :].decode(errors="replace")
+    try:
+        cwd = Path(os.readlink(proc / "cwd").removesuffix(" (deleted)"))
+    except OSError:
+        return None
+    if cwd.name == "redis" and STACK_ID_PATTERN.fullmatch(cwd.parent.name):
+        return cwd.parent.name
+    return None
+
+
 def find_stack_processes(stack_id: str | None = None) -> list[int]:
-    """Pids of live processes marked with `stack_id` (any stack when None), except this one."""
-    me = os.getpid()
+    """Pids of live processes marked with `stack_id` (any stack when None), except this one
+    and its ancestors."""
+    spared = _self_and_ancestors()
     found: list[int] = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
+        if not entry.name.isdigit() or int(entry.name) in spared:
             continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
+        marked = _marked_stack_id(entry)
+        if marked is None or (stack_id is not None and marked != stack_id):
             continue
-        for item in environ.split(b"\0"):
-            if item.startswith(STACK_ENV.encode() + b"="):
-                value = item.split(b"=", 1)[1].decode(errors="replace")
-                if (stack_id is None or value == stack_id) and pid_alive(int(entry.name)):
-                    found.append(int(entry.name))
-                break
+        if pid_alive(int(entry.name)):
+            found.append(int(entry.name))
     return sorted(found)
+
+
+def _self_and_ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return pids
 
 
 def stop_stack_processes(stack_id: str | None = None, grace_s: float = 3.0) -> list[int]:

@@ -6,6 +6,7 @@ file they write inside the stack's state folder.
 
 from __future__ import annotations
 
+import resource
 import shutil
 import socket
 import subprocess
@@ -64,17 +65,18 @@ class HaproxyServer:
     backup: bool
 
 
-def haproxy_config(port: int, servers: list[HaproxyServer], stats_socket: Path) -> str:
+def haproxy_config(port: int, servers: list[HaproxyServer], stats_port: int) -> str:
     """HAProxy config: one front on 127.0.0.1:`port`, gateways checked every second.
 
     `fall 2 rise 2` at 1 s marks a dead primary down in ~2 s, then the backup serves; a
     refused connection is retried and redispatched so that, once the primary is down, the
-    retries land on the backup.
+    retries land on the backup. The admin socket is TCP on loopback: a unix socket's path in a
+    deep state folder can pass HAProxy's 97-character limit.
     """
     lines = [
         "global",
-        "    maxconn 20000",
-        f"    stats socket {stats_socket} mode 600 level admin",
+        f"    maxconn {_haproxy_maxconn()}",
+        f"    stats socket ipv4@127.0.0.1:{stats_port} level admin",
         "defaults",
         "    mode http",
         "    timeout connect 1s",
@@ -97,14 +99,23 @@ def haproxy_config(port: int, servers: list[HaproxyServer], stats_socket: Path) 
     return "\n".join(lines) + "\n"
 
 
+def _haproxy_maxconn() -> int:
+    # HAProxy wants two descriptors per connection and refuses to start above the fd limit.
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 20_000
+    return max(256, min(20_000, (soft - 100) // 2))
+
+
 def start_haproxy(config_path: Path, state_dir: Path, stack_id: str) -> subprocess.Popen[bytes]:
     """HAProxy in the foreground (`-db`) with `config_path`; raises InvalidInput on a bad one."""
     binary = require_binary("haproxy")
     check = subprocess.run(
-        [binary, "-c", "-q", "-f", str(config_path)], capture_output=True, text=True, timeout=30
+        [binary, "-c", "-f", str(config_path)], capture_output=True, text=True, timeout=30
     )
     if check.returncode != 0:
-        raise InvalidInput(f"{config_path}: haproxy rejects it: {check.stderr.strip()}")
+        alerts = [line for line in check.stderr.splitlines() if "ALERT" in line]
+        raise InvalidInput(f"{config_path}: haproxy rejects it: {' | '.join(alerts[:2])}")
     return spawn(
         [binary, "-db", "-f", str(config_path)],
         stack_id=stack_id,
@@ -112,13 +123,11 @@ def start_haproxy(config_path: Path, state_dir: Path, stack_id: str) -> subproce
     )
 
 
-def haproxy_server_states(stats_socket: Path, timeout_s: float = 1.0) -> dict[str, str]:
+def haproxy_server_states(stats_port: int, timeout_s: float = 1.0) -> dict[str, str]:
     """Server name -> HAProxy status (UP, DOWN, MAINT ...) of the gateways backend; empty when
-    the stats socket does not answer."""
+    the admin socket does not answer."""
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout_s)
-            sock.connect(str(stats_socket))
+        with socket.create_connection(("127.0.0.1", stats_port), timeout=timeout_s) as sock:
             sock.sendall(b"show stat\n")
             chunks = []
             while chunk := sock.recv(65536):

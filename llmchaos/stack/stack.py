@@ -45,6 +45,7 @@ from llmchaos.stack.settings import (
     GatewaySettings,
     UpstreamWorker,
     WorkerSettings,
+    load_settings,
     write_settings,
 )
 from llmchaos.stack.tokendb import seed_token_db
@@ -60,6 +61,7 @@ from llmchaos.stack.topology import (
 __all__ = [
     "WORKER_PORT",
     "live_status",
+    "restart_gateway",
     "start_gateway",
     "start_stack",
     "stop_stack",
@@ -190,12 +192,12 @@ def _start(
     say("gateways ready: " + ", ".join(f"{g.name} {g.url}" for g in gateways))
 
     port = config.port or free_port()
-    stats_socket = state_dir / "haproxy.sock"
+    stats_port = free_port()
     config_path = state_dir / "haproxy.cfg"
     servers = [
         HaproxyServer(g.name, g.url.removeprefix("http://"), g.role == "backup") for g in gateways
     ]
-    config_path.write_text(haproxy_config(port, servers, stats_socket))
+    config_path.write_text(haproxy_config(port, servers, stats_port))
     haproxy = start_haproxy(config_path, state_dir, stack_id)
     gateway_url = f"http://127.0.0.1:{port}"
     wait_until(
@@ -221,7 +223,7 @@ def _start(
         redis_pid=redis.pid,
         haproxy_pid=haproxy.pid,
         haproxy_config=str(config_path),
-        haproxy_stats_socket=str(stats_socket),
+        haproxy_stats_port=stats_port,
         nodes=tuple(nodes),
         gateways=tuple(gateways),
     )
@@ -321,6 +323,28 @@ def start_gateway(
     return GatewayInfo(settings.name, role, url, proc.pid, str(settings_path), str(log_path))
 
 
+def restart_gateway(topology: Topology, name: str, timeout_s: float = 30.0) -> Topology:
+    """Start gateway `name` again from its settings (same port) if it is not running, wait for
+    it, and save and return the updated topology. Raises InvalidInput for an unknown name."""
+
+    names = [g.name for g in topology.gateways]
+    if name not in names:
+        raise InvalidInput(f"unknown gateway {name!r}; gateways: {', '.join(names)}")
+    index = names.index(name)
+    gateway = topology.gateways[index]
+    if pid_alive(gateway.pid):
+        return topology
+    settings = load_settings(GatewaySettings, Path(gateway.settings_path))
+    restarted = start_gateway(
+        settings, gateway.role, Path(topology.state_dir), topology.stack_id, timeout_s
+    )
+    gateways = list(topology.gateways)
+    gateways[index] = restarted
+    updated = replace(topology, gateways=tuple(gateways))
+    updated.save()
+    return updated
+
+
 def _redis_ping(port: int) -> bool:
     import redis
 
@@ -344,6 +368,7 @@ def stop_stack(topology: Topology, grace_s: float = 3.0) -> list[int]:
     pids = [topology.haproxy_pid, *(g.pid for g in topology.gateways)]
     stopped = stop_pids(pids, grace_s)
     stopped += stop_pids([n.agent_pid for n in topology.nodes], grace_s)
+    stopped += stop_pids([topology.redis_pid], grace_s)
     stopped += stop_stack_processes(topology.stack_id, grace_s)
     for node in topology.nodes:
         netns.delete_namespace(node.netns or "")
@@ -364,7 +389,7 @@ def live_status(topology: Topology) -> dict[str, object]:
     data = settings_to_dict(topology)
     data["haproxy_alive"] = pid_alive(topology.haproxy_pid)
     data["redis_alive"] = pid_alive(topology.redis_pid)
-    backend = haproxy_server_states(Path(topology.haproxy_stats_socket))
+    backend = haproxy_server_states(topology.haproxy_stats_port)
     for gateway in data["gateways"]:
         gateway["alive"] = pid_alive(gateway["pid"])
         gateway["healthz"] = http_get_status(f"{gateway['url']}/healthz", 0.5)

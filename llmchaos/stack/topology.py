@@ -92,7 +92,8 @@ class Topology:
     redis_pid: int
     haproxy_pid: int
     haproxy_config: str
-    haproxy_stats_socket: str
+    haproxy_stats_port: int
+    """HAProxy's admin socket (TCP on 127.0.0.1): `show stat`, `disable server` ..."""
     nodes: tuple[NodeInfo, ...]
     gateways: tuple[GatewayInfo, ...]
 

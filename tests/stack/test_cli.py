@@ -1,0 +1,95 @@
+"""`llmchaos stack ...` and `llmchaos cleanup` from the command line, bad input included."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmchaos.cli import main
+from llmchaos.stack.cleanup import leftovers
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmchaos.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], *expected: str) -> None:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for text in expected:
+        assert text in err
+
+
+def test_unknown_variant_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["stack", "up", "--variant", "bogus", "--state-root", str(tmp_path)]) == 2
+    one_line_error(capsys, "unknown variant 'bogus'", "naive-cache", "no-cpu-fallback")
+    assert not list(tmp_path.iterdir()), "nothing may be started or written for bad input"
+
+
+def test_port_in_use_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["stack", "up", "--port", str(port), "--state-root", str(tmp_path)]) == 2
+    one_line_error(capsys, f"--port {port}", "in use")
+
+
+def test_netns_on_without_root_is_one_line_and_exit_2(tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["stack", "up", "--netns", "on", "--state-root", str(tmp_path)]) == 2
+    one_line_error(capsys, "--netns on", "root")
+
+
+def test_missing_redis_server_is_one_line_and_exit_2(tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["stack", "up", "--state-root", str(tmp_path)]) == 2
+    one_line_error(capsys, "redis-server not found", "apt-get install redis-server")
+
+
+def test_bad_worker_count_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["stack", "up", "--gpu-workers", "-1", "--state-root", str(tmp_path)]) == 2
+    one_line_error(capsys, "gpu_workers", ">= 0")
+
+
+def test_status_without_a_stack_says_how_to_start_one(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["stack", "status", "--state-root", str(tmp_path)]) == 2
+    one_line_error(capsys, "no stack found", "llmchaos stack up")
+
+
+@pytest.mark.slow
+def test_up_status_down_from_the_command_line(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    up = run_cli("stack", "up", "--port", "0", "--gpu-load-s", "0.5", "--state-root", root)
+    try:
+        assert up.returncode == 0, up.stderr
+        topology_path = Path(up.stdout.strip().splitlines()[-1])
+        assert topology_path.name == "topology.json" and topology_path.exists()
+        assert "haproxy ready" in up.stderr, "stack up shows progress"
+        status = run_cli("stack", "status", "--json", "--state-root", root)
+        assert status.returncode == 0, status.stderr
+        data = json.loads(status.stdout)
+        assert data["haproxy_alive"] and data["redis_alive"]
+        workers = [w for n in data["nodes"] for w in n["workers"]]
+        assert {w["name"]: w["healthz"] for w in workers} == {
+            "gpu-0": 200,
+            "gpu-1": 200,
+            "cpu-0": 200,
+        }
+        assert all(isinstance(w["pid"], int) for w in workers)
+        text = run_cli("stack", "status", "--state-root", root)
+        assert "gateway-primary" in text.stdout and "cpu-0" in text.stdout
+    finally:
+        down = run_cli("stack", "down", "--state-root", root)
+    assert down.returncode == 0, down.stderr
+    assert leftovers(data["stack_id"]).empty
+    again = run_cli("cleanup", "--state-root", root)
+    assert again.returncode == 0 and "nothing left behind" in again.stdout

@@ -1,0 +1,266 @@
+"""The embedded stack end to end: real HAProxy, Redis, SQLite, agents, workers, gateways."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis
+from openai import OpenAI
+
+from llmchaos.stack import netns
+from llmchaos.stack.cleanup import cleanup, leftovers
+from llmchaos.stack.procs import find_stack_processes, http_get_status, pid_alive
+from llmchaos.stack.stack import restart_gateway
+from llmchaos.stack.topology import Topology, read_agent_state
+from tests.stack.stack_client import Traffic, chat, valid_token
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(module_stack_factory) -> Topology:  # type: ignore[no-untyped-def]
+    return module_stack_factory()
+
+
+def gpu_pid(topology: Topology, worker: str) -> int:
+    with urllib.request.urlopen(f"{topology.worker(worker).url}/gpu/processes", timeout=2) as r:
+        processes = json.load(r)
+    assert len(processes) == 1, processes
+    return int(processes[0]["pid"])
+
+
+def restarts(topology: Topology, worker: str) -> int:
+    node = topology.node(topology.worker(worker).node)
+    state = read_agent_state(Path(node.agent_state_path))
+    assert state is not None
+    return state.workers[worker].restarts
+
+
+def wait_healthy(topology: Topology, worker: str, timeout_s: float) -> float:
+    started = time.monotonic()
+    url = f"{topology.worker(worker).url}/healthz"
+    while time.monotonic() - started < timeout_s:
+        if http_get_status(url, 0.5) == 200:
+            return time.monotonic() - started
+        time.sleep(0.1)
+    pytest.fail(f"{worker} not healthy again after {timeout_s} s")
+
+
+def wait_for_mode(url: str, token: str, mode: str, timeout_s: float) -> float:
+    """Seconds until a request through `url` is served in `mode`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if chat(url, token, timeout_s=3).mode == mode:
+            return time.monotonic() - started
+        time.sleep(0.1)
+    pytest.fail(f"no request served in {mode} mode within {timeout_s} s")
+
+
+def test_openai_client_plain_and_streaming_through_haproxy(stack: Topology) -> None:
+    client = OpenAI(
+        base_url=f"{stack.gateway_url}/v1", api_key=valid_token(stack), max_retries=0, timeout=8
+    )
+    raw = client.chat.completions.with_raw_response.create(
+        model=stack.model, messages=[{"role": "user", "content": "one two three"}], max_tokens=5
+    )
+    reply = raw.parse()
+    assert raw.headers["x-serving-mode"] == "gpu"
+    assert reply.usage is not None and reply.usage.completion_tokens == 5
+    assert reply.usage.prompt_tokens >= 3
+    assert reply.choices[0].message.content
+
+    chunks = list(
+        client.chat.completions.create(
+            model=stack.model,
+            messages=[{"role": "user", "content": "stream please"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage]
+    assert len(text.split()) == 6
+    assert usage and usage[-1].completion_tokens == 6
+
+
+def test_bad_input_gets_openai_errors(stack: Topology) -> None:
+    token = valid_token(stack)
+    assert chat(stack.gateway_url, None).status == 401
+    assert chat(stack.gateway_url, "sk-not-a-token").status == 401
+    assert chat(stack.gateway_url, token, model="no-such-model").status == 404
+    bad_json = chat(stack.gateway_url, token, body=b"{not json")
+    assert bad_json.status == 400
+    assert json.loads(bad_json.body)["error"]["message"]
+    too_long = chat(stack.gateway_url, token, max_tokens=100_000)
+    assert too_long.status == 400
+    assert json.loads(too_long.body)["error"]["code"] == "context_length_exceeded"
+
+
+def test_gpu_kill_moves_traffic_and_agent_brings_it_back(stack: Topology) -> None:
+    before = restarts(stack, "gpu-0")
+    pid = gpu_pid(stack, "gpu-0")
+    with Traffic(stack.gateway_url, valid_token(stack), rate_per_s=25, max_s=40) as traffic:
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(1.5)
+        after_kill = traffic.since(killed_at + 0.5)
+        wait_healthy(stack, "gpu-0", timeout_s=20)
+        back_s = time.monotonic() - killed_at
+        returned = traffic.wait_for(lambda r: r.worker == "gpu-0", 10, after=time.monotonic())
+    failed = [r for r in traffic.since(killed_at - 1.0) if r.status != 200]
+    assert len(failed) <= 2, f"client-visible errors beyond in-flight ones: {failed}"
+    assert after_kill and {r.worker for r in after_kill} == {"gpu-1"}
+    assert {r.mode for r in after_kill} == {"gpu"}
+    assert restarts(stack, "gpu-0") == before + 1
+    assert gpu_pid(stack, "gpu-0") != pid
+    # restart_delay_s 0.5 + gpu_load_s 1.5 of the test stack
+    assert back_s >= 2.0, f"ready {back_s:.2f} s after the kill: model load must take 1.5 s"
+    assert returned is not None, "gpu-0 got no traffic after it was ready again"
+
+
+def test_killing_every_gpu_degrades_to_cpu(stack: Topology) -> None:
+    token = valid_token(stack)
+    for worker in ("gpu-0", "gpu-1"):
+        os.kill(gpu_pid(stack, worker), signal.SIGKILL)
+    cpu_after_s = wait_for_mode(stack.gateway_url, token, "cpu", timeout_s=5)
+    reply = chat(stack.gateway_url, token)
+    assert reply.status == 200 and reply.mode == "cpu" and reply.worker == "cpu-0"
+    assert cpu_after_s < 3.0
+    for worker in ("gpu-0", "gpu-1"):
+        wait_healthy(stack, worker, timeout_s=20)
+    wait_for_mode(stack.gateway_url, token, "gpu", timeout_s=10)
+
+
+def test_no_cpu_fallback_variant_fails_when_every_gpu_is_killed(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    topology = stack_factory(variant="no-cpu-fallback", gpu_load_s=5.0)
+    token = valid_token(topology)
+    assert chat(topology.gateway_url, token).status == 200
+    for worker in ("gpu-0", "gpu-1"):
+        os.kill(gpu_pid(topology, worker), signal.SIGKILL)
+    time.sleep(1.0)
+    replies = [chat(topology.gateway_url, token, timeout_s=3) for _ in range(10)]
+    assert all(r.status == 503 for r in replies), [r.status for r in replies]
+    assert not any(r.mode == "cpu" for r in replies)
+
+
+def test_primary_gateway_crash_fails_over_to_backup_and_back(stack: Topology) -> None:
+    primary = next(g for g in stack.gateways if g.role == "primary")
+    token = valid_token(stack)
+    assert chat(stack.gateway_url, token).gateway == primary.name
+    with Traffic(stack.gateway_url, token, rate_per_s=20, max_s=40) as traffic:
+        time.sleep(0.5)
+        crashed_at = time.monotonic()
+        os.kill(primary.pid, signal.SIGKILL)
+        failover_s = traffic.wait_for(
+            lambda r: r.gateway == "gateway-backup" and r.status == 200, 10, after=crashed_at
+        )
+        time.sleep(1.0)
+        restored = restart_gateway(stack, primary.name)
+        restored_at = time.monotonic()
+        back_s = traffic.wait_for(lambda r: r.gateway == primary.name, 10, after=restored_at)
+        time.sleep(0.5)
+    assert failover_s is not None and failover_s < 5.0, f"backup took over after {failover_s} s"
+    steady = [r for r in traffic.since(crashed_at + failover_s + 0.5) if r.sent_at < restored_at]
+    assert steady and all(r.status == 200 and r.gateway == "gateway-backup" for r in steady)
+    assert back_s is not None and back_s < 5.0
+    assert pid_alive(restored.gateways[0].pid)
+
+
+def _token_db_lookups(topology: Topology) -> float:
+    total = 0.0
+    for gateway in topology.gateways:
+        with urllib.request.urlopen(f"{gateway.url}/metrics", timeout=2) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("llmchaos_gateway_token_db_lookups_total"):
+                    total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _flush_and_burst(topology: Topology, tokens: list[str], requests: int) -> float:
+    """Delete every cached token, then send `requests` requests at once; SQLite lookups made."""
+    client = redis.Redis.from_url(topology.redis_url)
+    for key in client.scan_iter("token:*"):
+        client.delete(key)
+    before = _token_db_lookups(topology)
+    statuses = asyncio.run(_burst(topology, tokens, requests))
+    assert statuses == [200] * requests, sorted(set(statuses))
+    return _token_db_lookups(topology) - before
+
+
+async def _burst(topology: Topology, tokens: list[str], requests: int) -> list[int]:
+    body = {
+        "model": topology.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    }
+    connector = aiohttp.TCPConnector(limit=requests)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(i: int) -> int:
+            headers = {"Authorization": f"Bearer {tokens[i % len(tokens)]}"}
+            url = f"{topology.gateway_url}/v1/chat/completions"
+            async with session.post(url, json=body, headers=headers) as response:
+                await response.read()
+                return response.status
+
+        return list(await asyncio.gather(*(one(i) for i in range(requests))))
+
+
+@pytest.mark.parametrize("variant", ["hardened", "naive-cache"])
+def test_token_cache_flush_lookups(stack_factory, variant: str) -> None:  # type: ignore[no-untyped-def]
+    topology = stack_factory(variant=variant, token_db_latency_ms=100.0)
+    tokens = [valid_token(topology, i) for i in range(4)]
+    requests = 100
+    lookups = _flush_and_burst(topology, tokens, requests)
+    if variant == "hardened":
+        assert lookups <= 2 * len(tokens), f"{lookups} SQLite lookups for {requests} requests"
+    else:
+        assert lookups >= 0.9 * requests, f"naive cache made only {lookups} lookups"
+
+
+def test_partitioned_node_times_out_and_is_routed_around(stack: Topology, needs_netns) -> None:  # type: ignore[no-untyped-def]
+    node = stack.node("node-a")
+    assert node.netns
+    token = valid_token(stack)
+    netns.partition_namespace(node.netns)
+    try:
+        started = time.monotonic()
+        assert http_get_status(f"{stack.worker('gpu-0').url}/healthz", timeout_s=1.5) is None
+        assert time.monotonic() - started >= 1.4, "a partition must time out, not refuse"
+        replies = [chat(stack.gateway_url, token) for _ in range(15)]
+        assert all(r.status == 200 for r in replies), [r.status for r in replies]
+        assert {r.worker for r in replies[-10:]} == {"gpu-1"}
+    finally:
+        netns.heal_partition(node.netns)
+    wait_healthy(stack, "gpu-0", timeout_s=10)
+
+
+def test_stack_down_leaves_nothing(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    from llmchaos.stack.stack import stop_stack
+
+    topology = stack_factory()
+    assert find_stack_processes(topology.stack_id)
+    stop_stack(topology)
+    left = leftovers(topology.stack_id)
+    assert left.empty, left.lines()
+    assert Topology.load(Path(topology.state_dir)).status == "stopped"
+
+
+def test_cleanup_after_kill_9_leaves_nothing(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    topology = stack_factory()
+    for pid in find_stack_processes(topology.stack_id):
+        os.kill(pid, signal.SIGKILL)
+    report = cleanup(Path(topology.state_dir).parent, topology.stack_id)
+    assert topology.stack_id in report.stacks_marked_stopped
+    left = leftovers(topology.stack_id)
+    assert left.empty, left.lines()
