@@ -1,0 +1,186 @@
+"""How many short non-streaming requests one engine-worker process sustains, and its CPU cost.
+
+    .venv/bin/python bench/worker_throughput.py [--duration-s 10] [--concurrency 256]
+
+Starts one worker (GPU profile, load_s 0, max_num_seqs 1024 so the simulated batch is not the
+limit) on 127.0.0.1, drives it closed-loop from client processes with aiohttp for a bounded
+time, and prints requests/s, latency percentiles and the worker's CPU-seconds per 1000
+requests (from /proc, so Linux only). Not a test: it prints figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from llmchaos.stack.settings import GPU_PROFILE, WorkerSettings, write_settings
+from llmchaos.stack.tokens import make_text
+
+_READY_DEADLINE_S = 15.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of `pid` in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _drive(url: str, concurrency: int, duration_s: float, max_tokens: int) -> list[float]:
+    body = json.dumps(
+        {
+            "model": "llmchaos-7b",
+            "messages": [{"role": "user", "content": make_text(16)}],
+            "max_tokens": max_tokens,
+        }
+    ).encode()
+    headers = {"Content-Type": "application/json"}
+    latencies_s: list[float] = []
+    deadline = time.monotonic() + duration_s
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def user() -> None:
+            while time.monotonic() < deadline:
+                start = time.monotonic()
+                async with session.post(url, data=body, headers=headers) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"worker answered {resp.status}")
+                latencies_s.append(time.monotonic() - start)
+
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+    return latencies_s
+
+
+def _client(url: str, concurrency: int, duration_s: float, max_tokens: int, out: str) -> None:
+    import uvloop
+
+    latencies_s = uvloop.run(_drive(url, concurrency, duration_s, max_tokens))
+    cpu_s = time.process_time()
+    Path(out).write_text(json.dumps({"latencies_s": latencies_s, "cpu_s": cpu_s}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration-s", type=float, default=10.0, help="load time (max 20)")
+    parser.add_argument("--concurrency", type=int, default=256, help="requests in flight")
+    parser.add_argument("--clients", type=int, default=1, help="client processes")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--cost-scale",
+        type=float,
+        default=1.0,
+        help="multiply the GPU profile's step and API costs (below 1 finds the process's limit)",
+    )
+    args = parser.parse_args()
+    duration_s = min(args.duration_s, 20.0)
+
+    port = _free_port()
+    scale = args.cost_scale
+    profile = dataclasses.replace(
+        GPU_PROFILE,
+        load_s=0.0,
+        max_num_seqs=1024,
+        kv_cache_tokens=1_000_000,
+        api_overhead_ms=GPU_PROFILE.api_overhead_ms * scale,
+        prefill_base_ms=GPU_PROFILE.prefill_base_ms * scale,
+        prefill_ms_per_token=GPU_PROFILE.prefill_ms_per_token * scale,
+        decode_base_ms=GPU_PROFILE.decode_base_ms * scale,
+        decode_ms_per_seq=GPU_PROFILE.decode_ms_per_seq * scale,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        settings_path = write_settings(
+            WorkerSettings(name="bench", port=port, profile=profile), Path(tmp) / "worker.json"
+        )
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "llmchaos.stack.worker", "--settings", str(settings_path)],
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            _wait_ready(f"http://127.0.0.1:{port}/healthz")
+            cpu_before_s = _cpu_s(worker.pid)
+            wall_start = time.monotonic()
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            outs = [str(Path(tmp) / f"client-{i}.json") for i in range(args.clients)]
+            per_client = max(1, args.concurrency // args.clients)
+            procs = [
+                multiprocessing.Process(
+                    target=_client, args=(url, per_client, duration_s, args.max_tokens, out)
+                )
+                for out in outs
+            ]
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join(duration_s + 30.0)
+                if proc.is_alive():
+                    proc.kill()
+            wall_s = time.monotonic() - wall_start
+            worker_cpu_s = _cpu_s(worker.pid) - cpu_before_s
+        finally:
+            worker.terminate()
+            try:
+                worker.wait(5.0)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        results = [json.loads(Path(out).read_text()) for out in outs if Path(out).exists()]
+    latencies_s = sorted(x for r in results for x in r["latencies_s"])
+    if not latencies_s:
+        print("no request completed")
+        return 1
+    n = len(latencies_s)
+    print(
+        f"requests: {n} in {wall_s:.1f} s, concurrency {args.concurrency}, "
+        f"16 prompt tokens, max_tokens {args.max_tokens}, cost scale {scale}"
+    )
+    print(f"throughput: {n / wall_s:.0f} req/s")
+    print(
+        f"latency: p50 {latencies_s[n // 2] * 1000:.0f} ms, "
+        f"p99 {latencies_s[int(n * 0.99)] * 1000:.0f} ms"
+    )
+    print(
+        f"worker CPU: {worker_cpu_s:.2f} s = {worker_cpu_s / n * 1000:.2f} CPU-s per 1000 "
+        f"requests ({worker_cpu_s / wall_s * 100:.0f}% of one core)"
+    )
+    print(f"client CPU: {sum(r['cpu_s'] for r in results):.2f} s in {len(results)} process(es)")
+    return 0
+
+
+def _wait_ready(url: str) -> None:
+    """Raises TimeoutError when the worker is not ready before the deadline."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + _READY_DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready within {_READY_DEADLINE_S} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
