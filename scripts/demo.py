@@ -7,6 +7,7 @@ gpu-0's GPU process and show the service keeps answering, then bring the stack d
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -59,7 +60,9 @@ def main() -> int:
             )
             modes.append(f"{raw.headers.get('x-worker')}/{raw.headers.get('x-serving-mode')}")
             time.sleep(0.05)
-        print("served by: " + ", ".join(sorted(set(modes))))
+        runs = [(key, len(list(group))) for key, group in itertools.groupby(modes)]
+        print("served by, in order: " + ", ".join(f"{key} x{n}" for key, n in runs))
+        print("(gpu-0 comes back once its node agent restarted it and the model loaded)")
     finally:
         stop_stack(topology)
         print(f"stack {topology.stack_id} down; state in {topology.state_dir}")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,29 @@ def test_up_status_down_from_the_command_line(tmp_path: Path) -> None:
     assert leftovers(data["stack_id"]).empty
     again = run_cli("cleanup", "--state-root", root)
     assert again.returncode == 0 and "nothing left behind" in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_stack_up_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
+    argv = [sys.executable, "-m", "llmchaos.cli", "stack", "up", "--port", "0"]
+    proc = subprocess.Popen(
+        [*argv, "--gpu-load-s", "30", "--state-root", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # interrupt while the workers load their model
+            if "token table seeded" in line:
+                break
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "removing what was started" in err
+    stack_id = next(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert leftovers(stack_id).empty, leftovers(stack_id).lines()
