@@ -1,0 +1,11 @@
+"""Open-loop load for LLM serving, on Locust (issue 3).
+
+The public surface imports neither Locust nor gevent: Locust runs in a child process (see
+api.py), so importing this package from an asyncio program monkey-patches nothing.
+"""
+
+from llmchaos.load.api import LoadError, LoadRun
+from llmchaos.load.config import LoadConfig
+from llmchaos.load.summary import Summary
+
+__all__ = ["LoadConfig", "LoadError", "LoadRun", "Summary"]

@@ -1,0 +1,190 @@
+"""The master's merged view: windows, the summary, and timeline lines once they are final.
+
+Worker reports come in through `add_report`; `window()` answers the live HTTP endpoint,
+`summary()` the end of the run, `final_lines()` the incremental JSON-lines timeline. Plain
+Python (no gevent), so tests and the analysis use it directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import Counter
+from typing import Any
+
+from llmchaos.load.histogram import LogHistogram
+from llmchaos.load.timeline import FAILURE_CLASSES, SLOTS_PER_S, SecondStats, merge_report
+
+__all__ = ["FRAME_DROP_S", "Aggregate", "frame_drops", "quantiles"]
+
+FRAME_DROP_S = 3.0
+"""A frame drop: this long or longer without a successful response (the field's definition)."""
+STALE_WORKER_S = 15.0
+"""A worker silent this long no longer holds back finality of timeline seconds (it died)."""
+
+
+def quantiles(h: LogHistogram) -> dict[str, float | None]:
+    """p50/p90/p99/p999 of `h` rounded to 0.01, None when empty."""
+    out: dict[str, float | None] = {}
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999)):
+        value = h.quantile(q)
+        out[name] = None if value is None else round(value, 2)
+    return out
+
+
+def frame_drops(ok_slots: Counter[int], from_s: float, to_s: float) -> tuple[int, float]:
+    """(count, total seconds) of gaps >= FRAME_DROP_S between successes within [from_s, to_s)."""
+    instants = sorted(
+        slot / SLOTS_PER_S for slot in ok_slots if from_s <= slot / SLOTS_PER_S < to_s
+    )
+    edges = [from_s, *instants, to_s]
+    count, total_s = 0, 0.0
+    for a, b in itertools.pairwise(edges):
+        if b - a >= FRAME_DROP_S:
+            count += 1
+            total_s += b - a
+    return count, round(total_s, 1)
+
+
+class Aggregate:
+    """All worker reports of one run merged; `start_epoch_s` is the schedule's time zero."""
+
+    def __init__(self, start_epoch_s: float, duration_s: float, target_qps: float) -> None:
+        self.start_epoch_s = start_epoch_s
+        self.duration_s = duration_s
+        self.target_qps = target_qps
+        self.seconds: dict[int, SecondStats] = {}
+        self.ok_slots: Counter[int] = Counter()
+        self._workers: dict[str, dict[str, Any]] = {}
+        self._written_upto = 0  # seconds below this are already in the timeline file
+
+    def add_report(self, worker_id: str, report: dict[str, Any]) -> None:
+        merge_report(self.seconds, self.ok_slots, report)
+        self._workers[worker_id] = {
+            "in_flight": report["in_flight"],
+            "complete_before_s": report["complete_before_s"],
+            "final": report["final"],
+            "seen": time.monotonic(),
+        }
+
+    @property
+    def in_flight(self) -> int:
+        return sum(w["in_flight"] for w in self._workers.values())
+
+    @property
+    def final_workers(self) -> int:
+        """Workers that sent their final report (schedule over, drained)."""
+        return sum(1 for w in self._workers.values() if w["final"])
+
+    def now_s(self) -> float:
+        return time.time() - self.start_epoch_s
+
+    def _merged(self, from_s: float, to_s: float) -> SecondStats:
+        out = SecondStats()
+        for sec, stats in self.seconds.items():
+            if from_s <= sec < to_s:
+                out.merge(stats)
+        return out
+
+    def window(self, from_s: float, to_s: float) -> dict[str, Any]:
+        """Stats of the requests scheduled in [from_s, to_s) (offsets in seconds)."""
+        from_s = max(from_s, 0.0)
+        # Seconds are keyed by their start: [from_s, to_s) holds the seconds from ceil(from_s);
+        # the current second counts only as far as the schedule has got.
+        span_s = max(min(math.ceil(to_s), self.now_s()) - math.ceil(from_s), 1e-9)
+        m = self._merged(from_s, to_s)
+        done = m.done
+        drops, drop_s = frame_drops(self.ok_slots, from_s, min(to_s, self.now_s()))
+        answered_modes = sum(m.modes.values())
+        last_ok = max(self.ok_slots) / SLOTS_PER_S if self.ok_slots else None
+        return {
+            "from_s": round(from_s, 3),
+            "to_s": round(to_s, 3),
+            "from_ts": round(self.start_epoch_s + from_s, 3),
+            "scheduled": m.scheduled,
+            "ok": m.ok,
+            "failed": {c: m.failed.get(c, 0) for c in FAILURE_CLASSES},
+            "dropped": m.dropped,
+            "in_flight": m.scheduled - m.dropped - done,
+            "achieved_qps": round(done / span_s, 2),
+            "ok_qps": round(m.ok / span_s, 2),
+            "goodput_qps": self._goodput_qps(from_s, to_s),
+            "error_rate": round(sum(m.failed.values()) / done, 5) if done else 0.0,
+            "error_rate_by_class": {
+                c: round(m.failed.get(c, 0) / done, 5) if done else 0.0 for c in FAILURE_CLASSES
+            },
+            "latency_ms": quantiles(m.hist["latency_ms"]),
+            "ttft_ms": quantiles(m.hist["ttft_ms"]),
+            "tokens_per_s": quantiles(m.hist["tokens_per_s"]),
+            "schedule_lag_ms": quantiles(m.hist["lag_ms"]),
+            "frame_drops": drops,
+            "frame_drop_s": drop_s,
+            "seconds_since_last_ok": None if last_ok is None else round(self.now_s() - last_ok, 1),
+            "serving_mode_share": {
+                mode: round(n / answered_modes, 4) for mode, n in m.modes.items()
+            },
+            "tenants": dict(m.tenants),
+        }
+
+    def _goodput_qps(self, from_s: float, to_s: float) -> float:
+        """Successes per second by *completion* time in [from_s, to_s): the throughput the
+        target delivered then (the other rates are keyed by scheduled time)."""
+        end_s = min(to_s, self.now_s())
+        if end_s <= from_s:
+            return 0.0
+        lo, hi = math.ceil(from_s * SLOTS_PER_S), math.ceil(end_s * SLOTS_PER_S)
+        n = sum(count for slot, count in self.ok_slots.items() if lo <= slot < hi)
+        return round(n / ((hi - lo) / SLOTS_PER_S), 2)
+
+    def summary(self) -> dict[str, Any]:
+        """The end-of-run summary (`--summary-json`); accounting is checked, not assumed."""
+        m = self._merged(0, float("inf"))
+        failed = {c: m.failed.get(c, 0) for c in FAILURE_CLASSES}
+        in_flight = self.in_flight
+        done = m.done
+        drops, drop_s = frame_drops(self.ok_slots, 0.0, self.duration_s)
+        lag_p99 = m.hist["lag_ms"].quantile(0.99)
+        return {
+            "scheduled": m.scheduled,
+            "ok": m.ok,
+            "failed": failed,
+            "dropped": m.dropped,
+            "in_flight": in_flight,
+            "accounting_closed": m.scheduled == m.ok + sum(failed.values()) + m.dropped + in_flight,
+            "duration_s": self.duration_s,
+            "target_qps": self.target_qps,
+            "achieved_qps": round(done / self.duration_s, 2) if self.duration_s else 0.0,
+            "schedule_lag_p99_ms": None if lag_p99 is None else round(lag_p99, 2),
+            "latency_ms": quantiles(m.hist["latency_ms"]),
+            "ttft_ms": quantiles(m.hist["ttft_ms"]),
+            "tokens_per_s": quantiles(m.hist["tokens_per_s"]),
+            "frame_drops": drops,
+            "frame_drop_s": drop_s,
+            "serving_modes": dict(m.modes),
+        }
+
+    def final_lines(self, flush_all: bool = False) -> list[dict[str, Any]]:
+        """Timeline lines for seconds no live worker can still change (all when `flush_all`)."""
+        if flush_all:
+            upto = max(self.seconds, default=-1) + 1
+        else:
+            now = time.monotonic()
+            live = [w for w in self._workers.values() if now - w["seen"] < STALE_WORKER_S]
+            if not live:
+                return []
+            # A worker with nothing open and nothing left to schedule reports None.
+            horizons = [w["complete_before_s"] for w in live if w["complete_before_s"] is not None]
+            upto = min(horizons) if horizons else max(self.seconds, default=-1) + 1
+        lines = []
+        for sec in range(self._written_upto, upto):
+            stats = self.seconds.get(sec)
+            if stats is None:
+                continue
+            line = {"t": sec, "ts": round(self.start_epoch_s + sec, 3), **stats.to_json()}
+            line["latency_ms"] = quantiles(stats.hist["latency_ms"])
+            line["ttft_ms"] = quantiles(stats.hist["ttft_ms"])
+            line["schedule_lag_ms"] = quantiles(stats.hist["lag_ms"])
+            lines.append(line)
+        self._written_upto = max(self._written_upto, upto)
+        return lines

@@ -1,0 +1,273 @@
+"""The library call: run the load in the background, read live windows, steer it, stop it.
+
+    run = LoadRun.start(LoadConfig(url="http://127.0.0.1:8000", qps=200, duration_s=120))
+    w = run.window(last_s=5)          # dict: achieved_qps, latency_ms{p50..p999}, ...
+    run.set_qps(400)
+    run.inject_burst(duration_s=5, factor=2.0)
+    summary = run.stop()              # or run.wait() for the natural end
+
+Locust (and so gevent monkey-patching) lives in a child process: this module imports neither,
+so an asyncio program (the gateway, the Chaos Toolkit control) can use it. Calls block on
+small local HTTP requests; from asyncio, wrap them in `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.load.config import LoadConfig, validate
+from llmchaos.load.profiles import build_profile
+from llmchaos.load.summary import Summary
+from llmchaos.load.traffic import load_tenants
+from llmchaos.load.wire import CONFIG_ARGUMENT, LIVE_FILE, split_url
+
+__all__ = ["LoadError", "LoadRun", "check_config", "locust_command"]
+
+LOCUSTFILE = str(Path(__file__).with_name("locustfile.py"))
+_POLL_S = 0.1
+
+
+class LoadError(LLMChaosError):
+    """The load process failed to start, answer or finish."""
+
+
+def check_config(config: LoadConfig) -> None:
+    """Everything checkable before a start. Raises InvalidInput naming the flag."""
+    validate(config)
+    build_profile(config)
+    split_url(config.url)
+    if config.tokens_file:
+        load_tenants(config.tokens_file)
+    if config.check_target:
+        _check_target(config.url, timeout_s=min(config.timeout_s, 3.0))
+
+
+def _check_target(url: str, timeout_s: float) -> None:
+    """Any HTTP answer (even 404/405) means the target is there."""
+    try:
+        urllib.request.urlopen(url, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise InvalidInput(f"--url: {url} does not answer ({reason})") from None
+
+
+def locust_command(config: LoadConfig) -> list[str]:
+    """The Locust command line of a run (also what to adapt for Kubernetes masters)."""
+    users = str(config.workers)
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        LOCUSTFILE,
+        CONFIG_ARGUMENT,
+        config.to_json(),
+        "--host",
+        config.url,
+        "-u",
+        users,
+        "-r",
+        users,
+        "--loglevel",
+        "WARNING",
+        "--exit-code-on-error",
+        "0",
+        "--only-summary",
+    ]
+    if config.workers > 1:
+        cmd += ["--processes", users]
+    if config.web_ui_port is None:
+        cmd += ["--headless"]
+    else:
+        cmd += ["--autostart", "--web-host", "127.0.0.1", "--web-port", str(config.web_ui_port)]
+    return cmd
+
+
+class LoadRun:
+    """A load running in a Locust child process; see the module docstring."""
+
+    def __init__(self, config: LoadConfig, process: subprocess.Popen[bytes], live_url: str):
+        self.config = config
+        self.process = process
+        self.live_url = live_url
+        self.run_dir = Path(config.run_dir or ".")
+
+    @classmethod
+    def start(cls, config: LoadConfig, *, ready_timeout_s: float = 30.0) -> LoadRun:
+        """Validate, start Locust, wait for its live endpoint.
+
+        Raises InvalidInput for bad config (before anything starts), LoadError when the
+        process does not come up within `ready_timeout_s`.
+        """
+        check_config(config)
+        run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="llmchaos-load-"))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = replace(config, run_dir=str(run_dir))
+        (run_dir / "config.json").write_text(config.to_json())
+        (run_dir / LIVE_FILE).unlink(missing_ok=True)
+        with (run_dir / "locust.log").open("wb") as log:
+            process = subprocess.Popen(
+                locust_command(config),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + ready_timeout_s
+        live = run_dir / LIVE_FILE
+        while not live.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                _terminate(process)
+                tail = (run_dir / "locust.log").read_text(errors="replace")[-2000:]
+                raise LoadError(
+                    f"the load process did not start (see {run_dir}/locust.log):\n{tail}"
+                )
+            time.sleep(_POLL_S)
+        return cls(config, process, json.loads(live.read_text())["url"])
+
+    def _call(self, method: str, path: str, timeout_s: float = 5.0) -> Any:
+        request = urllib.request.Request(self.live_url + path, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                body = response.read()
+        except urllib.error.HTTPError as exc:
+            raise LoadError(
+                f"{method} {path}: {exc.code} {exc.read().decode(errors='replace')}"
+            ) from None
+        except OSError as exc:
+            raise LoadError(f"{method} {path}: the load process does not answer ({exc})") from None
+        return body.decode() if path == "/metrics" else json.loads(body)
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def status(self) -> dict[str, Any]:
+        """{"state": waiting|running|draining|done, "start_ts", "now_s", ...}."""
+        return self._call("GET", "/status")
+
+    def window(
+        self, last_s: float = 10.0, *, since_ts: float | None = None, until_ts: float | None = None
+    ) -> dict[str, Any]:
+        """Stats of requests scheduled in the last `last_s` seconds, or since `since_ts`
+        (epoch seconds, up to `until_ts` or now). Raises LoadError before the start."""
+        if since_ts is not None:
+            query = f"since_ts={since_ts}" + (
+                f"&until_ts={until_ts}" if until_ts is not None else ""
+            )
+        else:
+            query = f"last_s={last_s}"
+        return self._call("GET", f"/window?{query}")
+
+    def metrics_text(self) -> str:
+        return self._call("GET", "/metrics")
+
+    def wait_started(self, timeout_s: float = 30.0) -> float:
+        """Block until time zero is set; returns its epoch. Raises LoadError on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            start = self.status().get("start_ts")
+            if start is not None:
+                return float(start)
+            time.sleep(_POLL_S)
+        raise LoadError(f"the load did not start within {timeout_s} s")
+
+    def set_qps(self, qps: float) -> None:
+        """Send `qps` in total from now on. Raises InvalidInput for qps < 0."""
+        if qps < 0:
+            raise InvalidInput(f"qps: expected >= 0, got {qps}")
+        self._call("POST", f"/control/qps?qps={qps}")
+
+    def inject_burst(self, duration_s: float = 10.0, factor: float = 1.0) -> None:
+        """One burst window starting now: `factor` x the base rate on top, for `duration_s`."""
+        self._call("POST", f"/control/burst?duration_s={duration_s}&factor={factor}")
+
+    def stop(self, timeout_s: float | None = None) -> Summary:
+        """Stop scheduling, let in-flight requests drain, and return the summary."""
+        if self.running:
+            # Failing to reach it means it is already finishing; wait() tells.
+            with contextlib.suppress(LoadError):
+                self._call("POST", "/control/stop")
+        return self.wait(timeout_s)
+
+    def wait(self, timeout_s: float | None = None) -> Summary:
+        """Wait for the end of the run and return its summary. Raises LoadError on timeout."""
+        if timeout_s is None:
+            start = self._start_or_none()
+            remaining_s = (
+                self._duration_s() if start is None else start + self._duration_s() - time.time()
+            )
+            timeout_s = (
+                max(0.0, remaining_s)
+                + self.config.drain_s
+                + 3 * self.config.report_interval_s
+                + 15.0
+            )
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _terminate(self.process)
+            raise LoadError(f"the load process did not finish within {timeout_s:.0f} s") from None
+        return Summary.read(self.summary_path)
+
+    @property
+    def summary_path(self) -> Path:
+        return Path(self.config.summary_json or self.run_dir / "summary.json")
+
+    @property
+    def timeline_path(self) -> Path:
+        return Path(self.config.timeline or self.run_dir / "timeline.jsonl")
+
+    def _start_or_none(self) -> float | None:
+        try:
+            return self.status().get("start_ts")
+        except LoadError:
+            return None
+
+    def _duration_s(self) -> float:
+        return build_profile(self.config).duration_s
+
+    def close(self) -> None:
+        """Kill the load process if it still runs (use stop() for a summary)."""
+        _terminate(self.process)
+
+    def __enter__(self) -> LoadRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.running:
+            try:
+                self.stop()
+            except LLMChaosError:
+                self.close()
+
+
+def _terminate(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group (master and forked workers), then SIGKILL after 5 s."""
+    if process.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

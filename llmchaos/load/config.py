@@ -1,0 +1,172 @@
+"""The load run's settings: one frozen dataclass, every field with a default and its reason.
+
+`LoadConfig` travels as JSON to the Locust processes (`to_json`/`from_json`); `validate` checks
+it before anything starts and raises InvalidInput naming the CLI flag and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from llmchaos.errors import InvalidInput
+
+__all__ = ["PROFILE_NAMES", "LoadConfig", "validate"]
+
+PROFILE_NAMES = ("constant", "poisson", "bursty", "stepped")
+DEFAULT_DURATION_S = 60.0
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Settings of one open-loop load run (CLI flags in brackets)."""
+
+    url: str = "http://127.0.0.1:8000"
+    """Base URL of the target [--url]; requests go to `<url>/v1/chat/completions`."""
+    qps: float = 10.0
+    """Total arrival rate over all workers, requests/s [--qps]. Ignored by `stepped` and files."""
+    duration_s: float | None = None
+    """Schedule length [--duration]. None: 60 s, or the whole profile for stepped/files (which it
+    cuts short when given)."""
+    workers: int = 1
+    """Locust processes sending load [--workers]. 1: a local runner; N > 1: a master and N
+    worker processes (Locust's --processes), each following 1/N of the rate."""
+    profile: str = "poisson"
+    """constant | poisson | bursty | stepped, or the path of a JSON profile file [--profile]:
+    {"stages": [{"duration_s": 30, "qps": 100, "arrival": "poisson"}, ...], "bursts": {...}}."""
+    step_s: float = 900.0
+    """Length of one step of the stepped profile (the field used 15 min) [--step-s]."""
+    step_start_qps: float = 1000.0
+    """First step of the stepped profile (field: 1000 QPS)."""
+    step_increment_qps: float = 500.0
+    """QPS added per step (field: +500)."""
+    step_max_qps: float = 6200.0
+    """Last step, QPS (field: 6200)."""
+    burst_windows_per_min: float = 0.5
+    """Rate of burst windows of the bursty profile (field: 0.5 per minute)."""
+    burst_duration_s: float = 10.0
+    """Length of one burst window."""
+    burst_factor: float = 1.0
+    """Extra rate inside a burst as a multiple of the base rate (1.0 doubles it)."""
+    tokens_file: str | None = None
+    """Tokens file [--tokens]: {"tokens": [{"token", "tenant", "revoked"}]}. None: no
+    Authorization header."""
+    bad_token_share: float = 0.0
+    """Share of requests sent with a revoked or unknown token [--bad-token-share] (auth chaos)."""
+    model: str = "llmchaos-7b"
+    """Model name in every request [--model] (the embedded stack serves llmchaos-7b)."""
+    stream_share: float = 0.3
+    """Share of streaming (SSE) requests, where TTFT and tokens/s are measured [--stream-share]."""
+    prompt_alpha: float = 1.2
+    """Tail exponent of the Zipf-like prompt length law (field: 1.2)."""
+    prompt_min_tokens: int = 10
+    """Shortest user prompt in tokens (field: 10)."""
+    prompt_max_tokens: int = 4096
+    """Longest user prompt in tokens (field: 4096)."""
+    context_tokens: int = 512
+    """Context template sent as the system message of every request (field: 512 tokens)."""
+    output_median_tokens: int = 64
+    """Median max_tokens (log-normal, sigma 0.7): chat answers of a few sentences."""
+    output_max_tokens: int = 1024
+    """Largest max_tokens drawn."""
+    timeout_s: float = 8.0
+    """Whole-request deadline from the actual send (field: 8 s); beyond it: class `timeout`."""
+    inflight_cap: int = 2000
+    """Most requests in flight per worker; a send over it is counted as dropped, not queued
+    [--inflight-cap]. 2000 covers 5000 QPS over 2 workers at ~0.8 s latency."""
+    send_tick_ms: float = 1.0
+    """Shortest sleep of the send loop: sends due within one tick go out together, at most
+    this late (counted as schedule lag). Batching them lets one wake-up serve several, which
+    is what keeps 5000 QPS within two cores; 0 sleeps to each send time exactly."""
+    drain_s: float = 9.0
+    """After the schedule ends, how long in-flight requests may finish (a little over
+    timeout_s, so normally nothing is left in flight)."""
+    seed: int = 0
+    """Seed of schedules and traffic [--seed]: the same seed gives the same run plan."""
+    summary_json: str | None = None
+    """Where to write the summary [--summary-json]; None: `<run_dir>/summary.json`."""
+    timeline: str | None = None
+    """Where to write the JSON-lines timeline [--timeline]; None: `<run_dir>/timeline.jsonl`."""
+    run_dir: str | None = None
+    """Folder for the run's files (config, live address, logs); None: a new temp folder."""
+    live_port: int = 0
+    """Port of the live HTTP endpoint on 127.0.0.1 [--live-port]; 0 picks a free one."""
+    live_host: str = "127.0.0.1"
+    """Address the live endpoint binds to ("0.0.0.0" for Prometheus in a cluster)."""
+    web_ui_port: int | None = None
+    """Locust web UI port [--web-ui-port]; None: headless."""
+    report_interval_s: float = 1.0
+    """How often workers send their records to the master (Locust's own stats wait 3 s)."""
+    locust_stats: bool = False
+    """Also feed Locust's request stats (web UI tables); costs ~20% CPU per request."""
+    check_target: bool = True
+    """Before starting, require the URL to answer (any HTTP status); else InvalidInput."""
+
+    def resolved_duration_s(self, profile_duration_s: float | None) -> float:
+        """The schedule length given the profile's own length (None for rate-only profiles)."""
+        if profile_duration_s is None:
+            return self.duration_s if self.duration_s is not None else DEFAULT_DURATION_S
+        if self.duration_s is None:
+            return profile_duration_s
+        return min(self.duration_s, profile_duration_s)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> LoadConfig:
+        """Raises InvalidInput on unknown fields or invalid JSON."""
+        try:
+            data: dict[str, Any] = json.loads(text)
+            return cls(**data)
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(f"load config: {exc}") from None
+
+
+_POSITIVE = {
+    "qps": "--qps",
+    "step_s": "--step-s",
+    "step_start_qps": "step_start_qps",
+    "step_max_qps": "step_max_qps",
+    "timeout_s": "--timeout-s",
+    "report_interval_s": "report_interval_s",
+    "burst_duration_s": "burst_duration_s",
+    "burst_windows_per_min": "burst_windows_per_min",
+}
+_SHARES = {"stream_share": "--stream-share", "bad_token_share": "--bad-token-share"}
+
+
+def validate(config: LoadConfig) -> None:
+    """Check every field. Raises InvalidInput naming the flag, the value and what is expected."""
+    for name, flag in _POSITIVE.items():
+        value = getattr(config, name)
+        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            raise InvalidInput(f"{flag}: expected a number > 0, got {value!r}")
+    for name, flag in _SHARES.items():
+        value = getattr(config, name)
+        if not 0.0 <= value <= 1.0:
+            raise InvalidInput(f"{flag}: expected a share within 0..1, got {value!r}")
+    if config.duration_s is not None and not config.duration_s > 0:
+        raise InvalidInput(f"--duration: expected seconds > 0, got {config.duration_s!r}")
+    if not 1 <= config.workers <= 64:
+        raise InvalidInput(f"--workers: expected 1..64 processes, got {config.workers!r}")
+    if config.inflight_cap < 1:
+        raise InvalidInput(f"--inflight-cap: expected >= 1, got {config.inflight_cap!r}")
+    if config.step_increment_qps < 0 or config.step_max_qps < config.step_start_qps:
+        raise InvalidInput(
+            "stepped profile: expected step_increment_qps >= 0 and "
+            f"step_max_qps >= step_start_qps, got {config.step_increment_qps!r}, "
+            f"{config.step_start_qps!r}..{config.step_max_qps!r}"
+        )
+    if not 1 <= config.prompt_min_tokens <= config.prompt_max_tokens:
+        raise InvalidInput(
+            "prompt lengths: expected 1 <= prompt_min_tokens <= prompt_max_tokens, got "
+            f"{config.prompt_min_tokens!r}..{config.prompt_max_tokens!r}"
+        )
+    if not config.url.startswith(("http://", "https://")):
+        raise InvalidInput(f"--url: expected http://host:port, got {config.url!r}")
+    if config.burst_factor < 0:
+        raise InvalidInput(f"burst_factor: expected >= 0, got {config.burst_factor!r}")

@@ -1,0 +1,160 @@
+"""Requests shaped like LLM traffic: prompt and output lengths, streaming share, tenants.
+
+Prompt lengths follow a Pareto law truncated to [min, max] tokens (Zipf-like, alpha 1.2, the
+field's 10..4096): P(L > x) = ((m/x)^a - (m/M)^a) / (1 - (m/M)^a). Every prompt also carries a
+fixed context template (512 tokens) as its system message. Output lengths (max_tokens) are
+log-normal around a median. Texts come from `llmchaos.stack.tokens.make_text`, so the tokens the
+load chooses are the tokens the engine charges.
+
+Plain Python, no gevent: a request is built as bytes here and sent by the user (user.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmchaos.errors import InvalidInput
+from llmchaos.stack.tokens import make_text
+
+__all__ = ["RequestSpec", "Tenant", "TrafficModel", "TrafficSpec", "load_tenants"]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One API token from the tokens file."""
+
+    token: str
+    tenant: str
+    revoked: bool = False
+
+
+@dataclass(frozen=True)
+class TrafficSpec:
+    """Parameters of the request mix (the load config copies them from its own fields)."""
+
+    model: str = "llmchaos-7b"
+    prompt_alpha: float = 1.2
+    prompt_min_tokens: int = 10
+    prompt_max_tokens: int = 4096
+    context_tokens: int = 512
+    output_median_tokens: int = 64
+    output_sigma: float = 0.7
+    output_max_tokens: int = 1024
+    stream_share: float = 0.3
+    bad_token_share: float = 0.0
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A ready-to-send request."""
+
+    body: bytes
+    headers: dict[str, str]
+    stream: bool
+    tenant: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+def load_tenants(path: str | Path) -> list[Tenant]:
+    """Read `{"tokens": [{"token", "tenant", "revoked"}, ...]}`.
+
+    Raises InvalidInput naming --tokens when the file is unreadable, not JSON, or malformed.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+        entries = data["tokens"]
+        tenants = [
+            Tenant(str(e["token"]), str(e.get("tenant", "default")), bool(e.get("revoked", False)))
+            for e in entries
+        ]
+    except OSError as exc:
+        raise InvalidInput(f"--tokens: cannot read {path}: {exc.strerror}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidInput(
+            f"--tokens: {path} is not a tokens file "
+            f'{{"tokens": [{{"token": "...", "tenant": "...", "revoked": false}}]}} ({exc!r})'
+        ) from None
+    if not any(not t.revoked for t in tenants):
+        raise InvalidInput(f"--tokens: {path} has no token that is not revoked")
+    return tenants
+
+
+class TrafficModel:
+    """Draws requests; one per worker, seeded, not thread-safe (one gevent hub)."""
+
+    def __init__(self, spec: TrafficSpec, tenants: list[Tenant] | None = None, seed: int = 0):
+        self.spec = spec
+        self._rng = random.Random(seed)
+        self._valid = [t for t in tenants or [] if not t.revoked]
+        self._revoked = [t for t in tenants or [] if t.revoked]
+        self._ratio = (spec.prompt_min_tokens / spec.prompt_max_tokens) ** spec.prompt_alpha
+        self._content: dict[int, bytes] = {}
+        context = make_text(spec.context_tokens, offset=7)
+        self._prefix = (
+            b'{"model":'
+            + json.dumps(spec.model).encode()
+            + b',"messages":[{"role":"system","content":"'
+            + context.encode()
+            + b'"},{"role":"user","content":"'
+        )
+
+    def prompt_tokens(self) -> int:
+        """A user-prompt length from the truncated Pareto law (inverse CDF)."""
+        u = self._rng.random()
+        x = self.spec.prompt_min_tokens * (1.0 - u * (1.0 - self._ratio)) ** (
+            -1.0 / self.spec.prompt_alpha
+        )
+        return min(int(x), self.spec.prompt_max_tokens)
+
+    def output_tokens(self) -> int:
+        """A max_tokens value, log-normal around the median, within 1..output_max_tokens."""
+        x = self._rng.lognormvariate(
+            math.log(self.spec.output_median_tokens), self.spec.output_sigma
+        )
+        return max(1, min(int(x), self.spec.output_max_tokens))
+
+    def _tenant(self) -> tuple[str, str]:
+        """(tenant name, Authorization value); a share of revoked or unknown tokens if asked."""
+        if not self._valid:
+            return "anonymous", ""
+        if self.spec.bad_token_share and self._rng.random() < self.spec.bad_token_share:
+            if self._revoked and self._rng.random() < 0.5:
+                t = self._rng.choice(self._revoked)
+                return t.tenant, f"Bearer {t.token}"
+            return "unknown", f"Bearer unknown-{self._rng.getrandbits(64):016x}"
+        t = self._rng.choice(self._valid)
+        return t.tenant, f"Bearer {t.token}"
+
+    def next_request(self) -> RequestSpec:
+        """A complete request: body bytes, headers (auth, W3C traceparent), metadata."""
+        n_prompt = self.prompt_tokens()
+        content = self._content.get(n_prompt)
+        if content is None:
+            # Words are plain ASCII, so the text needs no JSON escaping.
+            content = self._content[n_prompt] = make_text(n_prompt, offset=n_prompt).encode()
+        max_tokens = self.output_tokens()
+        stream = self._rng.random() < self.spec.stream_share
+        tail = b',"stream":true,"stream_options":{"include_usage":true}}' if stream else b"}"
+        body = self._prefix + content + b'"}],"max_tokens":' + str(max_tokens).encode() + tail
+        tenant, auth = self._tenant()
+        trace_id = self._rng.getrandbits(128) or 1
+        span_id = self._rng.getrandbits(64) or 1
+        headers = {
+            "Content-Type": "application/json",
+            "traceparent": f"00-{trace_id:032x}-{span_id:016x}-01",
+        }
+        if auth:
+            headers["Authorization"] = auth
+        return RequestSpec(
+            body=body,
+            headers=headers,
+            stream=stream,
+            tenant=tenant,
+            prompt_tokens=self.spec.context_tokens + n_prompt,
+            max_tokens=max_tokens,
+        )

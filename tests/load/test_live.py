@@ -1,0 +1,125 @@
+"""Live windows, control and /metrics of a running load; the library stays gevent-free."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llmchaos.cli import main
+from llmchaos.load import LoadConfig, LoadRun
+
+pytestmark = pytest.mark.slow
+
+
+def test_importing_the_library_does_not_monkey_patch():
+    code = (
+        "import sys, llmchaos.load, llmchaos.load.capacity, llmchaos.load.cli;"
+        "assert 'gevent' not in sys.modules and 'locust' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_windows_follow_set_qps_and_bursts(fake_server, tmp_path):
+    server = fake_server()
+    config = LoadConfig(
+        url=server.url,
+        qps=50,
+        duration_s=9.0,
+        profile="constant",
+        run_dir=str(tmp_path),
+        drain_s=2.0,
+    )
+    with LoadRun.start(config) as run:
+        start = run.wait_started()
+        time.sleep(max(0.0, start + 3.5 - time.time()))
+        first = run.window(since_ts=start + 1, until_ts=start + 3)
+        run.set_qps(200)
+        time.sleep(max(0.0, start + 6.5 - time.time()))
+        run.inject_burst(duration_s=1.0, factor=5.0)
+        time.sleep(2.0)
+        second = run.window(since_ts=start + 4, until_ts=start + 6)
+        metrics = run.metrics_text()
+        summary = run.wait()
+    assert first["scheduled"] == 100 and first["ok"] == 100
+    assert first["achieved_qps"] == pytest.approx(50, abs=1)
+    assert first["latency_ms"]["p50"] > 5  # the fake server waits 5 ms
+    assert first["serving_mode_share"] == {"gpu": 1.0}
+    assert second["scheduled"] == pytest.approx(400, abs=2)
+    # 9 s: 50/s up to ~3.5 s, 200/s after (~1275), plus the burst: 5 x 200/s for 1 s, in a few
+    # Gamma-spaced waves (the part of the window after the last wave sends nothing).
+    burst_extra = summary.scheduled - (50 * 3.5 + 200 * 5.5)
+    assert 200 < burst_extra < 1500, summary.scheduled
+    assert summary.accounting_closed and summary.ok == summary.scheduled
+    assert "llmchaos_load_scheduled_total" in metrics
+    assert 'llmchaos_load_latency_ms{quantile="0.99"}' in metrics
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--qps", "0"], "--qps: expected a number > 0"),
+        (["--qps", "-5"], "--qps: expected a number > 0"),
+        (["--profile", "zigzag"], "--profile: unknown profile 'zigzag'"),
+        (["--tokens", "/nonexistent/tokens.json"], "--tokens: cannot read"),
+        (["--workers", "0"], "--workers: expected 1..64"),
+    ],
+    ids=["qps-zero", "qps-negative", "profile", "tokens", "workers"],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(fake_server, capsys, args, message):
+    server = fake_server()
+    assert main(["load", "--url", server.url, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_cli_url_that_does_not_answer_exits_2(capsys):
+    assert main(["load", "--url", "http://127.0.0.1:9"]) == 2
+    assert "--url: http://127.0.0.1:9 does not answer" in capsys.readouterr().err
+
+
+def test_cli_run_writes_summary_and_timeline(fake_server, tmp_path, capsys):
+    server = fake_server()
+    summary_path, timeline_path = tmp_path / "s.json", tmp_path / "t.jsonl"
+    code = main(
+        [
+            "load",
+            "--url",
+            server.url,
+            "--qps",
+            "40",
+            "--duration",
+            "3",
+            "--profile",
+            "constant",
+            "--summary-json",
+            str(summary_path),
+            "--timeline",
+            str(timeline_path),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
+    assert code == 0
+    summary = json.loads(summary_path.read_text())
+    for key in (
+        "scheduled",
+        "ok",
+        "failed",
+        "dropped",
+        "achieved_qps",
+        "schedule_lag_p99_ms",
+        "latency_ms",
+        "ttft_ms",
+        "frame_drops",
+    ):
+        assert key in summary
+    assert set(summary["latency_ms"]) == {"p50", "p90", "p99", "p999"}
+    assert summary["scheduled"] == summary["ok"] == 120
+    lines = [json.loads(x) for x in timeline_path.read_text().splitlines()]
+    assert [x["t"] for x in lines] == [0, 1, 2]
+    assert all(x["scheduled"] == 40 for x in lines)
+    assert json.loads(capsys.readouterr().out)["ok"] == 120
