@@ -169,6 +169,10 @@ class GatewaySettings:
     """Active health check period per worker (GET /healthz)."""
     health_timeout_s: float = 0.5
     """Timeout of one active health check."""
+    health_timeouts_to_fail: int = 2
+    """Consecutive active-check timeouts before a worker counts as down (a refusal or a
+    not-ready answer counts at once): one timeout can be the gateway's own event-loop lag in a
+    burst, and would take every worker out at the same moment."""
     eject_s: float = 5.0
     """Passive health: a worker that failed a request is skipped this long (unless it passes an
     active check first)."""
@@ -186,8 +190,10 @@ class GatewaySettings:
     batch may wait in its queue (about half a request's time) before traffic spills to cpu."""
     retry_after_s: int = 1
     """`Retry-After` of a 429 when shedding: one second is about one GPU request's duration."""
-    redis_timeout_s: float = 0.25
-    """Connect and command timeout towards Redis; past it the lookup falls back to SQLite."""
+    redis_timeout_s: float = 1.0
+    """Connect and command timeout towards Redis; past it the lookup falls back to SQLite. It
+    counts event-loop lag too, so it stays above what a burst causes (0.25 s was exceeded in
+    a 200-request burst): a busy gateway must not take itself for a Redis outage."""
     redis_retry_s: float = 1.0
     """After a Redis error, go straight to SQLite this long instead of paying the timeout on
     every request."""

@@ -1,0 +1,234 @@
+"""How many short requests one gateway process proxies, and its CPU cost per request.
+
+    .venv/bin/python bench/gateway_throughput.py [--duration-s 5] [--concurrency 64]
+
+Starts a throwaway redis-server, a SQLite token table, a trivial upstream worker (a fixed
+JSON answer, no engine) and one gateway on 127.0.0.1, then drives the gateway closed-loop
+with aiohttp for a bounded time (and the upstream directly, as the baseline). Prints req/s,
+latency percentiles and CPU-seconds per 1000 requests of the gateway and the upstream (from
+/proc, so Linux only). Everything shares this machine's cores, so req/s is a floor; the CPU
+cost per request is the figure that carries over. Not a test: it prints figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from llmchaos.stack.settings import GatewaySettings, UpstreamWorker, write_settings
+
+_READY_DEADLINE_S = 15.0
+_TOKENS = [f"sk-bench-{i:03d}" for i in range(100)]
+_BODY = json.dumps(
+    {"model": "llmchaos-7b", "messages": [{"role": "user", "content": "one two three"}]}
+).encode()
+_ANSWER = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "llmchaos-7b",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ok"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+).encode()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of `pid` in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _serve_upstream(port: int) -> None:
+    """The trivial upstream: /healthz ready, every completion the same fixed answer."""
+    import uvloop
+    from aiohttp import web
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ready", "max_num_seqs": 100_000})
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=_ANSWER, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_post("/v1/chat/completions", chat)
+    uvloop.install()
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+async def _drive(url: str, concurrency: int, duration_s: float) -> list[float]:
+    latencies_s: list[float] = []
+    deadline = time.monotonic() + duration_s
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def user(i: int) -> None:
+            headers = {
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {_TOKENS[i % len(_TOKENS)]}",
+            }
+            while time.monotonic() < deadline:
+                start = time.monotonic()
+                async with session.post(url, data=_BODY, headers=headers) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"{url} answered {resp.status}")
+                latencies_s.append(time.monotonic() - start)
+
+        await asyncio.gather(*(user(i) for i in range(concurrency)))
+    return latencies_s
+
+
+def _measure(url: str, pids: dict[str, int], concurrency: int, duration_s: float) -> None:
+    import uvloop
+
+    cpu_before_s = {name: _cpu_s(pid) for name, pid in pids.items()}
+    wall_start = time.monotonic()
+    latencies_s = sorted(uvloop.run(_drive(url, concurrency, duration_s)))
+    wall_s = time.monotonic() - wall_start
+    n = len(latencies_s)
+    if not n:
+        print(f"  {url}: no request completed")
+        return
+    print(f"  {n} requests in {wall_s:.1f} s: {n / wall_s:.0f} req/s")
+    print(
+        f"  latency p50 {latencies_s[n // 2] * 1000:.1f} ms, "
+        f"p99 {latencies_s[int(n * 0.99)] * 1000:.1f} ms"
+    )
+    for name, pid in pids.items():
+        cpu_s = _cpu_s(pid) - cpu_before_s[name]
+        print(
+            f"  {name} CPU: {cpu_s:.2f} s = {cpu_s / n * 1000:.3f} CPU-s per 1000 requests "
+            f"({cpu_s / wall_s * 100:.0f}% of one core)"
+        )
+
+
+def _wait_ready(url: str) -> None:
+    """Raises TimeoutError when `url` does not answer 200 before the deadline."""
+    deadline = time.monotonic() + _READY_DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready within {_READY_DEADLINE_S} s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration-s", type=float, default=5.0, help="per run (max 8)")
+    parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the direct run")
+    parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_upstream:
+        _serve_upstream(args.serve_upstream)
+        return 0
+    duration_s = min(args.duration_s, 8.0)
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            redis_port, upstream_port, gateway_port = _free_port(), _free_port(), _free_port()
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1"),
+                        *("--save", "", "--appendonly", "no"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                )
+            )
+            db_path = Path(tmp) / "tokens.sqlite"
+            with sqlite3.connect(db_path) as db:
+                db.execute(
+                    "CREATE TABLE tokens (token TEXT PRIMARY KEY, tenant TEXT NOT NULL,"
+                    " revoked INTEGER NOT NULL DEFAULT 0)"
+                )
+                db.executemany("INSERT INTO tokens VALUES (?, 'bench', 0)", [(t,) for t in _TOKENS])
+            db.close()
+            upstream = subprocess.Popen(
+                [sys.executable, __file__, "--serve-upstream", str(upstream_port)]
+            )
+            procs.append(upstream)
+            upstream_url = f"http://127.0.0.1:{upstream_port}"
+            _wait_ready(f"{upstream_url}/healthz")
+            settings = GatewaySettings(
+                name="gateway-bench",
+                port=gateway_port,
+                workers=(UpstreamWorker(name="gpu-0", url=upstream_url, mode="gpu"),),
+                redis_url=f"redis://127.0.0.1:{redis_port}/0",
+                token_db_path=str(db_path),
+                queue_shed_threshold=1_000_000,
+            )
+            settings_path = write_settings(settings, Path(tmp) / "gateway.json")
+            gateway = subprocess.Popen(
+                [sys.executable, "-m", "llmchaos.stack.gateway", "--settings", str(settings_path)],
+                stderr=subprocess.DEVNULL,
+            )
+            procs.append(gateway)
+            gateway_url = f"http://127.0.0.1:{gateway_port}"
+            _wait_ready(f"{gateway_url}/healthz")
+            print(f"closed loop, concurrency {args.concurrency}, {os.cpu_count()} cores shared")
+            if not args.no_baseline:
+                print("upstream directly (baseline):")
+                _measure(
+                    f"{upstream_url}/v1/chat/completions",
+                    {"upstream": upstream.pid},
+                    args.concurrency,
+                    duration_s,
+                )
+            print("through the gateway:")
+            _measure(
+                f"{gateway_url}/v1/chat/completions",
+                {"gateway": gateway.pid, "upstream": upstream.pid},
+                args.concurrency,
+                duration_s,
+            )
+        finally:
+            for proc in reversed(procs):
+                _stop(proc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

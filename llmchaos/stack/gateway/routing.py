@@ -1,0 +1,198 @@
+"""The gateway's view of its upstream workers: health, load and which one gets a request.
+
+Rules (also in the gateway's README section):
+
+- healthy = the last active check passed (GET /healthz answered 200 and, if the body is JSON,
+  `status` is "ready") and the worker is not ejected. A worker starts unhealthy until its
+  first check passes, so a restarted worker that is still loading the model gets no traffic.
+  A refused connection or a non-ready answer fails a worker at once; timeouts only after
+  `health_timeouts_to_fail` in a row (one can be the gateway's own loop lag in a burst).
+- passive health: a request that fails on a worker (connect error, timeout, 5xx, broken
+  stream) ejects it for `eject_s`; an active check that *started after* the ejection and
+  passes readmits it early, so a worker restarted by its node agent is back within one health
+  interval instead of `eject_s`.
+- capacity: a worker can take a request while outstanding < max_num_seqs * (1 + ratio), ratio
+  = `worker_queue_allowance_ratio` (max_num_seqs read from /healthz).
+- selection: least outstanding among healthy gpu workers with capacity; else (cpu_fallback)
+  healthy cpu workers with capacity; else the least loaded healthy gpu worker even though it
+  is full (its queue is shorter to wait in than a cpu one), else a full cpu worker; else none
+  (-> 503 no_healthy_upstream). Ties rotate so that an idle pool spreads requests.
+- estimated queue = sum over workers of max(0, outstanding - max_num_seqs): what admission
+  control sheds on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Collection
+
+import aiohttp
+from yarl import URL
+
+from llmchaos.stack.settings import GatewaySettings, UpstreamWorker
+
+__all__ = ["Worker", "WorkerPool"]
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """One upstream worker and what the gateway knows about it."""
+
+    __slots__ = (
+        "_queue_ratio",
+        "capacity",
+        "chat_url",
+        "check_timeouts",
+        "ejected_at",
+        "ejected_until",
+        "health_url",
+        "max_num_seqs",
+        "mode",
+        "name",
+        "outstanding",
+        "ready",
+    )
+
+    def __init__(self, upstream: UpstreamWorker, queue_ratio: float) -> None:
+        base = upstream.url.rstrip("/")
+        self.name = upstream.name
+        self.mode: str = upstream.mode
+        # parsed once: aiohttp would parse a str URL on every request
+        self.chat_url = URL(base + "/v1/chat/completions")
+        self.health_url = URL(base + "/healthz")
+        self.outstanding = 0
+        self.ready = False
+        self.check_timeouts = 0
+        """Active checks in a row that timed out."""
+        self.ejected_until = 0.0
+        self.ejected_at = -math.inf
+        self._queue_ratio = queue_ratio
+        self.max_num_seqs = 1
+        self.capacity = 1
+        self.set_max_num_seqs(1)
+
+    def set_max_num_seqs(self, max_num_seqs: int) -> None:
+        """Record the batch size the worker reported and the capacity that follows."""
+        self.max_num_seqs = max_num_seqs
+        self.capacity = max_num_seqs + math.ceil(max_num_seqs * self._queue_ratio)
+
+    def healthy(self, now: float) -> bool:
+        """Passes active checks and is not ejected at monotonic time `now`."""
+        return self.ready and now >= self.ejected_until
+
+
+class WorkerPool:
+    """All upstream workers of one gateway, with selection and health checking."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        ratio = max(0.0, settings.worker_queue_allowance_ratio)
+        self.workers = tuple(Worker(w, ratio) for w in settings.workers)
+        self._gpu = tuple(w for w in self.workers if w.mode == "gpu")
+        self._cpu = tuple(w for w in self.workers if w.mode == "cpu")
+        self._cpu_fallback = settings.cpu_fallback
+        self._eject_s = settings.eject_s
+        self._health_interval_s = settings.health_interval_s
+        self._health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
+        self._timeouts_to_fail = max(1, settings.health_timeouts_to_fail)
+        self._rotation = 0
+
+    def select(self, exclude: Collection[Worker] = ()) -> Worker | None:
+        """The worker for the next request (rules in the module docstring), or None."""
+        now = time.monotonic()
+        self._rotation += 1
+        chosen = self._least_loaded(self._gpu, now, exclude, within_capacity=True)
+        if chosen is None and self._cpu_fallback:
+            chosen = self._least_loaded(self._cpu, now, exclude, within_capacity=True)
+        if chosen is None:
+            chosen = self._least_loaded(self._gpu, now, exclude, within_capacity=False)
+        if chosen is None and self._cpu_fallback:
+            chosen = self._least_loaded(self._cpu, now, exclude, within_capacity=False)
+        return chosen
+
+    def _least_loaded(
+        self,
+        workers: tuple[Worker, ...],
+        now: float,
+        exclude: Collection[Worker],
+        within_capacity: bool,
+    ) -> Worker | None:
+        best: Worker | None = None
+        count = len(workers)
+        for i in range(count):
+            worker = workers[(self._rotation + i) % count]
+            if not worker.healthy(now) or worker in exclude:
+                continue
+            if within_capacity and worker.outstanding >= worker.capacity:
+                continue
+            if best is None or worker.outstanding < best.outstanding:
+                best = worker
+        return best
+
+    def eject(self, worker: Worker, reason: str) -> None:
+        """Skip `worker` for `eject_s` after a failed request (passive health)."""
+        now = time.monotonic()
+        if worker.healthy(now):
+            log.warning("worker %s ejected for %.1f s: %s", worker.name, self._eject_s, reason)
+        worker.ejected_at = now
+        worker.ejected_until = now + self._eject_s
+
+    def estimated_queue(self) -> int:
+        """Requests beyond the workers' running batches, summed over all workers."""
+        return sum(max(0, w.outstanding - w.max_num_seqs) for w in self.workers)
+
+    def healthy_counts(self) -> dict[str, int]:
+        """Healthy workers per serving mode (both modes always present)."""
+        now = time.monotonic()
+        counts = {"gpu": 0, "cpu": 0}
+        for worker in self.workers:
+            if worker.healthy(now):
+                counts[worker.mode] = counts.get(worker.mode, 0) + 1
+        return counts
+
+    async def check_all(self, session: aiohttp.ClientSession) -> None:
+        """One round of active health checks, all workers at once."""
+        await asyncio.gather(*(self._check(session, w) for w in self.workers))
+
+    async def run_health_checks(self, session: aiohttp.ClientSession) -> None:
+        """Check every `health_interval_s` (the first round one interval from now) until
+        cancelled."""
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(max(0.0, self._health_interval_s - (time.monotonic() - started)))
+            started = time.monotonic()
+            await self.check_all(session)
+
+    async def _check(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+        started = time.monotonic()
+        problem = None
+        body: object = None
+        try:
+            async with session.get(worker.health_url, timeout=self._health_timeout) as resp:
+                body = await resp.json(content_type=None) if resp.status == 200 else None
+                if resp.status != 200:
+                    problem = f"/healthz answered {resp.status}"
+            worker.check_timeouts = 0
+        except TimeoutError:
+            worker.check_timeouts += 1
+            if worker.check_timeouts < self._timeouts_to_fail:
+                return  # keep the last verdict until the timeout repeats
+            problem = f"/healthz timed out {worker.check_timeouts} times in a row"
+        except (aiohttp.ClientError, ValueError) as exc:
+            worker.check_timeouts = 0
+            problem = f"/healthz failed: {type(exc).__name__} {exc}".rstrip()
+        if problem is None and isinstance(body, dict):
+            if body.get("status", "ready") != "ready":
+                problem = f"/healthz status {body.get('status')!r}"
+            max_num_seqs = body.get("max_num_seqs")
+            if isinstance(max_num_seqs, int) and max_num_seqs > 0:
+                worker.set_max_num_seqs(max_num_seqs)
+        ready = problem is None
+        if ready != worker.ready:
+            log.info("worker %s %s", worker.name, "healthy" if ready else f"unhealthy: {problem}")
+        worker.ready = ready
+        if ready and started >= worker.ejected_at:
+            worker.ejected_until = 0.0

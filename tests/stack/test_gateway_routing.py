@@ -1,0 +1,283 @@
+"""Gateway routing: load spreading, health, retries, CPU fallback and load shedding."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmchaos.stack.settings import GatewaySettings, UpstreamWorker
+from tests.stack import gateway_fixtures as fx
+from tests.stack.gateway_fixtures import (
+    FakeUpstream,
+    GatewayClient,
+    RedisServer,
+    gateway_settings,
+    never_accepting_listener,
+    refusing_worker,
+    running_gateway,
+    wait_for,
+)
+
+redis_server = fx.redis_server
+token_db = fx.token_db
+upstreams = fx.upstreams
+
+Upstreams = Callable[..., Awaitable[FakeUpstream]]
+REQUESTS = "llmchaos_gateway_requests_total"
+RETRIES = "llmchaos_gateway_upstream_retries_total"
+
+
+def _settings(
+    redis_server: RedisServer,
+    token_db: Path,
+    workers: list[FakeUpstream | UpstreamWorker],
+    **overrides: Any,
+) -> GatewaySettings:
+    upstream = [w.upstream() if isinstance(w, FakeUpstream) else w for w in workers]
+    return gateway_settings(redis_server, token_db, upstream, **overrides)
+
+
+async def _held(fakes: list[FakeUpstream], total: int) -> None:
+    async def reached() -> bool:
+        return sum(f.in_flight for f in fakes) == total
+
+    await wait_for(reached, 3.0, f"{total} requests held by the fake workers")
+
+
+async def _healthy(gw: GatewayClient, gpu: int, cpu: int = 0) -> None:
+    async def reached() -> bool:
+        return await gw.healthy() == {"gpu": gpu, "cpu": cpu}
+
+    await wait_for(reached, 3.0, f"{gpu} healthy gpu and {cpu} cpu worker(s)")
+
+
+@pytest.mark.asyncio
+async def test_idle_workers_take_turns(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    a, b = await upstreams("gpu-0"), await upstreams("gpu-1")
+    async with running_gateway(_settings(redis_server, token_db, [a, b])) as gw:
+        for _ in range(10):
+            assert (await gw.chat())[0] == 200
+    assert (len(a.received), len(b.received)) == (5, 5)
+
+
+@pytest.mark.asyncio
+async def test_concurrent_requests_go_to_the_least_outstanding_worker(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    a, b = await upstreams("gpu-0"), await upstreams("gpu-1")
+    a.hold = b.hold = asyncio.Event()
+    async with running_gateway(_settings(redis_server, token_db, [a, b])) as gw:
+        replies = [asyncio.ensure_future(gw.chat()) for _ in range(3)]
+        await _held([a, b], 3)
+        busier, idler = (a, b) if a.in_flight > b.in_flight else (b, a)
+        assert (busier.in_flight, idler.in_flight) == (2, 1)
+        replies += [asyncio.ensure_future(gw.chat()) for _ in range(3)]
+        await _held([a, b], 6)
+        assert (busier.in_flight, idler.in_flight) == (3, 3)
+        a.hold.set()
+        assert [r[0] for r in await asyncio.gather(*replies)] == [200] * 6
+
+
+@pytest.mark.parametrize("failure", ["refuse", "connect_hang", "first_byte_hang", "http_500"])
+@pytest.mark.asyncio
+async def test_failing_worker_is_retried_elsewhere_and_ejected(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams, failure: str
+) -> None:
+    bad, good = await upstreams("gpu-0"), await upstreams("gpu-1")
+    # one active check at start only, so what routes around `bad` is the passive ejection
+    settings = _settings(
+        redis_server, token_db, [bad, good], health_interval_s=60.0, first_byte_timeout_s=0.5
+    )
+    async with running_gateway(settings) as gw, _break(bad, failure):
+        replies = []
+        for _ in range(4):
+            started = time.monotonic()
+            status, headers, _ = await gw.chat()
+            replies.append((status, headers["X-Worker"], time.monotonic() - started))
+        text = await gw.metrics()
+        assert await gw.healthy() == {"gpu": 1, "cpu": 0}
+    assert [(s, w) for s, w, _ in replies] == [(200, "gpu-1")] * 4, replies
+    assert fx.metric_value(text, RETRIES) == 1
+    assert fx.metric_value(text, REQUESTS, mode="gpu", code="200") == 4
+    slowest_s = max(s for _, _, s in replies)
+    if failure == "connect_hang":
+        assert 0.3 <= slowest_s < 1.0, replies  # connect_timeout_s, then the retry
+    if failure == "first_byte_hang":
+        assert 0.5 <= slowest_s < 1.2, replies  # first_byte_timeout_s, then the retry
+        assert bad.cancelled == 1  # the hung upstream request was given up, not leaked
+
+
+class _break:
+    """Make `fake` fail the way `failure` says while the block runs."""
+
+    def __init__(self, fake: FakeUpstream, failure: str) -> None:
+        self._fake = fake
+        self._failure = failure
+        self._listener: Any = None
+
+    async def __aenter__(self) -> None:
+        if self._failure == "http_500":
+            self._fake.behaviour = "fail"
+        elif self._failure == "first_byte_hang":
+            self._fake.behaviour = "hang"
+        else:
+            port = self._fake.port
+            await self._fake.stop()
+            if self._failure == "connect_hang":
+                self._listener = never_accepting_listener(port)
+                self._listener.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._listener is not None:
+            self._listener.__exit__(None, None, None)
+
+
+@pytest.mark.asyncio
+async def test_worker_failing_everywhere_returns_its_error_with_mode(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    fake = await upstreams("gpu-0")
+    fake.behaviour = "fail"
+    async with running_gateway(_settings(redis_server, token_db, [fake])) as gw:
+        status, headers, body = await gw.chat()
+    assert status == 500
+    assert headers["X-Serving-Mode"] == "gpu"
+    assert body["error"]["message"] == "boom"
+
+
+@pytest.mark.asyncio
+async def test_ejected_worker_is_readmitted_by_a_passing_active_check(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    a, b = await upstreams("gpu-0"), await upstreams("gpu-1")
+    a.behaviour = b.behaviour = "fail"
+    async with running_gateway(_settings(redis_server, token_db, [a, b], eject_s=60.0)) as gw:
+        assert (await gw.chat())[0] == 500
+        assert await gw.healthy() == {"gpu": 0, "cpu": 0}
+        a.behaviour = b.behaviour = "ok"
+        started = time.monotonic()
+        await _healthy(gw, gpu=2)
+        readmitted_s = time.monotonic() - started
+        assert (await gw.chat())[0] == 200
+    assert readmitted_s < 1.0  # one health interval (0.1 s), not eject_s (60 s)
+
+
+@pytest.mark.asyncio
+async def test_loading_worker_gets_no_traffic_until_ready(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    loading, ready = await upstreams("gpu-0"), await upstreams("gpu-1")
+    loading.health_status, loading.health_state = 503, "loading"
+    async with running_gateway(_settings(redis_server, token_db, [loading, ready])) as gw:
+        assert await gw.healthy() == {"gpu": 1, "cpu": 0}
+        for _ in range(4):
+            assert (await gw.chat())[0] == 200
+        assert loading.received == []
+        loading.health_status, loading.health_state = 200, "ready"
+        await _healthy(gw, gpu=2)
+        for _ in range(4):
+            assert (await gw.chat())[0] == 200
+    assert len(loading.received) == 2
+
+
+@pytest.mark.asyncio
+async def test_cpu_fallback_serves_when_no_gpu_worker_is_up(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    cpu = await upstreams("cpu-0", mode="cpu")
+    settings = _settings(redis_server, token_db, [refusing_worker(), cpu])
+    async with running_gateway(settings) as gw:
+        status, headers, _ = await gw.chat()
+        assert await gw.metric(REQUESTS, mode="cpu", code="200") == 1
+    assert (status, headers["X-Serving-Mode"], headers["X-Worker"]) == (200, "cpu", "cpu-0")
+
+
+@pytest.mark.asyncio
+async def test_without_cpu_fallback_no_gpu_means_503(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    cpu = await upstreams("cpu-0", mode="cpu")
+    settings = _settings(redis_server, token_db, [refusing_worker(), cpu], cpu_fallback=False)
+    async with running_gateway(settings) as gw:
+        status, headers, body = await gw.chat()
+        assert await gw.metric(REQUESTS, mode="none", code="503") == 1
+    assert status == 503
+    assert body["error"]["type"] == "server_error"
+    assert body["error"]["code"] == "no_healthy_upstream"
+    assert "X-Serving-Mode" not in headers
+    assert headers["X-Gateway"] == "gateway-test"
+    assert cpu.received == []
+
+
+@pytest.mark.parametrize(("cpu_fallback", "on_gpu", "on_cpu"), [(True, 2, 3), (False, 5, 0)])
+@pytest.mark.asyncio
+async def test_full_gpu_workers_spill_to_cpu_only_with_fallback(
+    redis_server: RedisServer,
+    token_db: Path,
+    upstreams: Upstreams,
+    cpu_fallback: bool,
+    on_gpu: int,
+    on_cpu: int,
+) -> None:
+    gpu, cpu = await upstreams("gpu-0", max_num_seqs=2), await upstreams("cpu-0", mode="cpu")
+    gpu.hold = cpu.hold = asyncio.Event()
+    settings = _settings(
+        redis_server,
+        token_db,
+        [gpu, cpu],
+        cpu_fallback=cpu_fallback,
+        worker_queue_allowance_ratio=0.0,  # capacity = max_num_seqs = 2
+    )
+    async with running_gateway(settings) as gw:
+        replies = [asyncio.ensure_future(gw.chat()) for _ in range(5)]
+        await _held([gpu, cpu], 5)
+        assert (gpu.in_flight, cpu.in_flight) == (on_gpu, on_cpu)
+        gpu.hold.set()
+        modes = sorted(r[1]["X-Serving-Mode"] for r in await asyncio.gather(*replies))
+    assert modes == ["cpu"] * on_cpu + ["gpu"] * on_gpu
+
+
+@pytest.mark.asyncio
+async def test_queue_over_threshold_is_shed_with_429_and_retry_after(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    gpu = await upstreams("gpu-0", max_num_seqs=1)
+    gpu.hold = asyncio.Event()
+    settings = _settings(redis_server, token_db, [gpu], queue_shed_threshold=2)
+    async with running_gateway(settings) as gw:
+        held = [asyncio.ensure_future(gw.chat()) for _ in range(4)]
+        await _held([gpu], 4)
+        async with gw.session.get("/healthz") as resp:
+            assert (await resp.json())["estimated_queue"] == 3  # 4 outstanding - batch of 1
+        status, headers, body = await gw.chat()
+        gpu.hold.set()
+        assert [r[0] for r in await asyncio.gather(*held)] == [200] * 4
+        assert (await gw.chat())[0] == 200  # the queue drained: admitted again
+        assert await gw.metric(REQUESTS, mode="none", code="429") == 1
+    assert status == 429
+    assert headers["Retry-After"] == "1"
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    assert len(gpu.received) == 5
+
+
+@pytest.mark.asyncio
+async def test_health_check_timeouts_fail_a_worker_only_when_repeated(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    fake = await upstreams("gpu-0")
+    # every 0.1 s, 0.3 s timeout, 2 timeouts in a row to fail: down 0.7-0.8 s after the hang
+    async with running_gateway(_settings(redis_server, token_db, [fake])) as gw:
+        fake.health_hang = True
+        started = time.monotonic()
+        await _healthy(gw, gpu=0)
+        down_after_s = time.monotonic() - started
+        fake.health_hang = False
+        await _healthy(gw, gpu=1)
+    assert 0.55 < down_after_s < 2.0, down_after_s
