@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -115,7 +114,7 @@ class LoadRun:
         process does not come up within `ready_timeout_s`.
         """
         check_config(config)
-        run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="llmchaos-load-"))
+        run_dir = Path(config.run_dir or _new_run_dir())
         run_dir.mkdir(parents=True, exist_ok=True)
         config = replace(config, run_dir=str(run_dir))
         (run_dir / "config.json").write_text(config.to_json())
@@ -255,6 +254,11 @@ class LoadRun:
                 self.stop()
             except LLMChaosError:
                 self.close()
+
+
+def _new_run_dir() -> Path:
+    # Under reports/, like every run's output: nothing is written outside the repo.
+    return Path("reports") / "load" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def _terminate(process: subprocess.Popen[bytes]) -> None:

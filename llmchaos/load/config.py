@@ -91,7 +91,7 @@ class LoadConfig:
     timeline: str | None = None
     """Where to write the JSON-lines timeline [--timeline]; None: `<run_dir>/timeline.jsonl`."""
     run_dir: str | None = None
-    """Folder for the run's files (config, live address, logs); None: a new temp folder."""
+    """Folder for the run's files (config, live address, logs); None: reports/load/<time>-<pid>/."""
     live_port: int = 0
     """Port of the live HTTP endpoint on 127.0.0.1 [--live-port]; 0 picks a free one."""
     live_host: str = "127.0.0.1"
