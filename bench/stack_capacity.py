@@ -1,0 +1,175 @@
+"""Capacity of the embedded stack's full path (HAProxy -> gateway -> worker) on this machine.
+
+    .venv/bin/python bench/stack_capacity.py [--qps 250,500,1000,1250,1500] [--step-s 15]
+                                             [--traffic short|field] [--load-workers 1]
+
+Starts the default (hardened) stack, then for each QPS step runs the open-loop load
+(`llmchaos.load.LoadRun`, on the same machine) for --step-s seconds and prints achieved QPS,
+P99, error rate and the CPU each component used (cores, from /proc via psutil). The answer is
+the highest step with P99 under 2 s and errors under 1%. Traffic `short` (10-token prompts,
+4 output tokens) measures the software path; `field` (the load's defaults: Zipf prompts over a
+512-token template, median 64 output tokens, 30% streaming) is bound by the two simulated
+GPUs instead. Not a test: figures for the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+
+from llmchaos.load import LoadConfig, LoadRun
+from llmchaos.stack.config import StackConfig
+from llmchaos.stack.stack import start_stack, stop_stack
+from llmchaos.stack.topology import Topology, read_agent_state
+
+P99_LIMIT_MS = 2000.0
+ERROR_LIMIT = 0.01
+TRAFFIC = {
+    "short": {
+        "prompt_min_tokens": 10,
+        "prompt_max_tokens": 10,
+        "context_tokens": 0,
+        "output_median_tokens": 4,
+        "output_max_tokens": 4,
+        "stream_share": 0.0,
+    },
+    "field": {},
+}
+
+
+def component_pids(topology: Topology) -> dict[str, list[int]]:
+    pids: dict[str, list[int]] = {
+        "haproxy": [topology.haproxy_pid],
+        "redis": [topology.redis_pid],
+    }
+    for gateway in topology.gateways:
+        pids[gateway.name] = [gateway.pid]
+    for node in topology.nodes:
+        state = read_agent_state(Path(node.agent_state_path))
+        for name, worker in (state.workers if state else {}).items():
+            pids[name] = [worker.pid]
+        pids.setdefault("agents", []).append(node.agent_pid)
+    return pids
+
+
+def cpu_seconds(pids: list[int], with_children: bool = False) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            procs = [psutil.Process(pid)]
+            if with_children:
+                procs += procs[0].children(recursive=True)
+            for proc in procs:
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def run_step(topology: Topology, qps: float, step_s: float, traffic: str, workers: int) -> dict:
+    config = replace(
+        LoadConfig(
+            url=topology.gateway_url,
+            qps=qps,
+            duration_s=step_s,
+            workers=workers,
+            tokens_file=topology.tokens_file,
+            model=topology.model,
+            drain_s=3.0,
+        ),
+        **TRAFFIC[traffic],
+    )
+    pids = component_pids(topology)
+    with LoadRun.start(config) as run:
+        before = {name: cpu_seconds(p) for name, p in pids.items()}
+        load_pids = [run.process.pid]
+        load_before = cpu_seconds(load_pids, with_children=True)
+        started = time.monotonic()
+        # Sample while the step runs: the load process is gone once wait() returns.
+        load_used = 0.0
+        while time.monotonic() - started < step_s:
+            time.sleep(0.5)
+            load_used = max(load_used, cpu_seconds(load_pids, with_children=True) - load_before)
+        elapsed = time.monotonic() - started
+        cores = {name: (cpu_seconds(p) - before[name]) / elapsed for name, p in pids.items()}
+        cores["load"] = load_used / elapsed
+        summary = run.wait(timeout_s=60)
+    answered = summary.ok + sum(summary.failed.values())
+    errors = (sum(summary.failed.values()) + summary.dropped) / max(1, summary.scheduled)
+    return {
+        "qps": qps,
+        "achieved_qps": summary.achieved_qps,
+        "answered": answered,
+        "p99_ms": summary.latency_ms.get("p99"),
+        "error_rate": errors,
+        "failed": summary.failed,
+        "dropped": summary.dropped,
+        "cores": cores,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--qps", default="250,500,1000,1250,1500", help="comma-separated steps")
+    parser.add_argument("--step-s", type=float, default=15.0)
+    parser.add_argument("--traffic", choices=sorted(TRAFFIC), default="short")
+    parser.add_argument("--load-workers", type=int, default=1)
+    args = parser.parse_args()
+    steps = [float(q) for q in args.qps.split(",")]
+
+    topology = start_stack(StackConfig(port=0), progress=True)
+    results = []
+    try:
+        for qps in steps:
+            print(f"step {qps:.0f} QPS for {args.step_s:.0f} s ...", file=sys.stderr, flush=True)
+            results.append(run_step(topology, qps, args.step_s, args.traffic, args.load_workers))
+    finally:
+        stop_stack(topology)
+
+    names = sorted({n for r in results for n in r["cores"]}, key=_component_order)
+    print(f"\nstack capacity, traffic={args.traffic}, {args.step_s:.0f} s per step, 2-core machine")
+    header = f"{'target':>7} {'achieved':>9} {'p99 ms':>8} {'errors':>7}  " + " ".join(
+        f"{n[:9]:>9}" for n in names
+    )
+    print(header)
+    for r in results:
+        p99 = f"{r['p99_ms']:.0f}" if r["p99_ms"] is not None else "-"
+        cores = " ".join(f"{r['cores'].get(n, 0.0):9.2f}" for n in names)
+        print(f"{r['qps']:7.0f} {r['achieved_qps']:9.1f} {p99:>8} {r['error_rate']:7.2%}  {cores}")
+    print(
+        "(CPU columns in cores; failures by class: "
+        + "; ".join(f"{r['qps']:.0f}: {dict(r['failed'])} dropped {r['dropped']}" for r in results)
+        + ")"
+    )
+    ok = [r for r in results if _sustained(r)]
+    best = max((r["achieved_qps"] for r in ok), default=None)
+    if best is None:
+        print("no step sustained P99 < 2 s with < 1% errors")
+        return 1
+    print(f"sustained: {best:.0f} QPS with P99 < {P99_LIMIT_MS:.0f} ms and < 1% errors")
+    return 0
+
+
+def _sustained(result: dict) -> bool:
+    p99 = result["p99_ms"]
+    return p99 is not None and p99 < P99_LIMIT_MS and result["error_rate"] < ERROR_LIMIT
+
+
+def _component_order(name: str) -> tuple[int, str]:
+    order = defaultdict(lambda: 9, {"load": 0, "haproxy": 1, "redis": 8, "agents": 9})
+    if name.startswith("gateway"):
+        return (2, name)
+    if name.startswith(("gpu", "cpu")):
+        return (3, name)
+    return (order[name], name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
