@@ -66,6 +66,7 @@ class Aggregate:
             "complete_before_s": report["complete_before_s"],
             "final": report["final"],
             "seen": time.monotonic(),
+            "at_s": self.now_s(),
         }
 
     @property
@@ -115,6 +116,7 @@ class Aggregate:
                 c: round(m.failed.get(c, 0) / done, 5) if done else 0.0 for c in FAILURE_CLASSES
             },
             "latency_ms": quantiles(m.hist["latency_ms"]),
+            "latency_with_unanswered_ms": quantiles(self._with_unanswered(from_s, to_s, m)),
             "ttft_ms": quantiles(m.hist["ttft_ms"]),
             "tokens_per_s": quantiles(m.hist["tokens_per_s"]),
             "schedule_lag_ms": quantiles(m.hist["lag_ms"]),
@@ -126,6 +128,25 @@ class Aggregate:
             },
             "tenants": dict(m.tenants),
         }
+
+    def _with_unanswered(self, from_s: float, to_s: float, merged: SecondStats) -> LogHistogram:
+        """The window's latencies plus each request still unanswered at the last reports,
+        counted at a lower bound of its age. Answered latencies alone are capped by how long
+        one waited before reading: a saturated target's slowest requests are the ones missing.
+
+        Every worker had them unanswered at its own last report, so the oldest of those report
+        times, minus the end of the request's scheduled second, is a floor of their latency.
+        """
+        out = LogHistogram.merged([merged.hist["latency_ms"]])
+        if not self._workers:
+            return out
+        reported_s = min(w["at_s"] for w in self._workers.values())
+        for sec, stats in self.seconds.items():
+            if from_s <= sec < to_s:
+                unanswered = stats.scheduled - stats.dropped - stats.done
+                if unanswered > 0:
+                    out.add(max(0.0, (reported_s - (sec + 1)) * 1000.0), unanswered)
+        return out
 
     def _goodput_qps(self, from_s: float, to_s: float) -> float:
         """Successes per second by *completion* time in [from_s, to_s): the throughput the

@@ -5,7 +5,10 @@ previous step while P99 grows by more than 20%. The sustainable QPS is the achie
 step before it. Each step is read from the live window of its own scheduled seconds, skipping
 the first `warmup_share` of the step, a few seconds after the step ends (so slow requests of the
 step are in), and the run stops as soon as the knee is found. Achieved QPS is by completion
-time; P99 by scheduled time (so queueing shows up in the step that caused it).
+time; P99 by scheduled time (so queueing shows up in the step that caused it), with requests
+still unanswered when the step is read counted at their age so far: answered requests alone
+would cap the P99 of every saturated step at about the step's length, and two saturated steps
+in a row would then look flat (no knee) however long the queue grew.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class StepResult:
     """Successful answers per second completed during the step (goodput by completion time:
     a saturated target's queue does not count as throughput)."""
     p99_ms: float | None
+    """P99 latency from scheduled time, unanswered requests counted at their age so far."""
     error_rate: float
     dropped: int
 
@@ -88,7 +92,7 @@ def run_capacity(config: LoadConfig, warmup_share: float = 0.3) -> CapacityResul
                 StepResult(
                     offered_qps=stage.qps,
                     achieved_qps=w["goodput_qps"],
-                    p99_ms=w["latency_ms"]["p99"],
+                    p99_ms=w["latency_with_unanswered_ms"]["p99"],
                     error_rate=w["error_rate"],
                     dropped=w["dropped"],
                 )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -123,3 +125,29 @@ def test_cli_run_writes_summary_and_timeline(fake_server, tmp_path, capsys):
     assert [x["t"] for x in lines] == [0, 1, 2]
     assert all(x["scheduled"] == 40 for x in lines)
     assert json.loads(capsys.readouterr().out)["ok"] == 120
+
+
+def test_locust_web_ui_is_served_during_an_open_loop_run(fake_server, tmp_path):
+    server = fake_server()
+    with socket.socket() as probe:  # a free port for the UI
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = LoadConfig(
+        url=server.url,
+        qps=50,
+        duration_s=4.0,
+        profile="constant",
+        web_ui_port=port,
+        run_dir=str(tmp_path),
+        drain_s=1.0,
+    )
+    with LoadRun.start(config) as run:
+        start = run.wait_started()
+        time.sleep(max(0.0, start + 1.5 - time.time()))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
+            status, kind, page = response.status, response.headers["Content-Type"], response.read()
+        assert run.status()["state"] == "running"  # the UI answered while the load ran
+        summary = run.wait()
+    assert status == 200 and kind.startswith("text/html"), kind
+    assert b"<html" in page.lower() and b"locust" in page.lower()
+    assert summary.ok == summary.scheduled == 200
