@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput, LLMChaosError
-from llmchaos.load.config import LoadConfig, validate
+from llmchaos.load.config import LoadConfig, default_run_dir, validate
 from llmchaos.load.profiles import build_profile
 from llmchaos.load.summary import Summary
 from llmchaos.load.traffic import load_tenants
@@ -114,7 +114,7 @@ class LoadRun:
         process does not come up within `ready_timeout_s`.
         """
         check_config(config)
-        run_dir = Path(config.run_dir or _new_run_dir())
+        run_dir = Path(config.run_dir or default_run_dir())
         run_dir.mkdir(parents=True, exist_ok=True)
         config = replace(config, run_dir=str(run_dir))
         (run_dir / "config.json").write_text(config.to_json())
@@ -254,11 +254,6 @@ class LoadRun:
                 self.stop()
             except LLMChaosError:
                 self.close()
-
-
-def _new_run_dir() -> Path:
-    # Under reports/, like every run's output: nothing is written outside the repo.
-    return Path("reports") / "load" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def _terminate(process: subprocess.Popen[bytes]) -> None:

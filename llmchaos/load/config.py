@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput
 
-__all__ = ["PROFILE_NAMES", "LoadConfig", "validate"]
+__all__ = ["PROFILE_NAMES", "LoadConfig", "default_run_dir", "validate"]
 
 PROFILE_NAMES = ("constant", "poisson", "bursty", "stepped")
 DEFAULT_DURATION_S = 60.0
@@ -170,3 +173,8 @@ def validate(config: LoadConfig) -> None:
         raise InvalidInput(f"--url: expected http://host:port, got {config.url!r}")
     if config.burst_factor < 0:
         raise InvalidInput(f"burst_factor: expected >= 0, got {config.burst_factor!r}")
+
+
+def default_run_dir() -> Path:
+    """reports/load/<time>-<pid>/: a run's files stay under reports/, never outside the repo."""
+    return Path("reports") / "load" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -24,7 +23,7 @@ from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
 from llmchaos.load.aggregate import Aggregate
-from llmchaos.load.config import LoadConfig
+from llmchaos.load.config import LoadConfig, default_run_dir
 from llmchaos.load.live import make_app
 from llmchaos.load.profiles import build_profile
 from llmchaos.load.user import WORKER
@@ -56,7 +55,7 @@ class Controller:
     def __init__(self, environment: Any, config: LoadConfig) -> None:
         self.env = environment
         self.config = config
-        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="llmchaos-load-"))
+        self.run_dir = Path(config.run_dir or default_run_dir())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         profile = build_profile(config)
         self.duration_s = profile.duration_s
