@@ -16,21 +16,19 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import aiohttp
+from _common import cpu_s as process_cpu_s
+from _common import free_port, wait_http_ok
 
 from llmchaos.stack.settings import GatewaySettings, UpstreamWorker, write_settings
 
-_READY_DEADLINE_S = 15.0
 _TOKENS = [f"sk-bench-{i:03d}" for i in range(100)]
 _BODY = json.dumps(
     {"model": "llmchaos-7b", "messages": [{"role": "user", "content": "one two three"}]}
@@ -51,18 +49,6 @@ _ANSWER = json.dumps(
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }
 ).encode()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of `pid` in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _serve_upstream(port: int) -> None:
@@ -110,7 +96,7 @@ async def _drive(url: str, concurrency: int, duration_s: float) -> list[float]:
 def _measure(url: str, pids: dict[str, int], concurrency: int, duration_s: float) -> None:
     import uvloop
 
-    cpu_before_s = {name: _cpu_s(pid) for name, pid in pids.items()}
+    cpu_before_s = {name: process_cpu_s(pid) for name, pid in pids.items()}
     wall_start = time.monotonic()
     latencies_s = sorted(uvloop.run(_drive(url, concurrency, duration_s)))
     wall_s = time.monotonic() - wall_start
@@ -124,25 +110,11 @@ def _measure(url: str, pids: dict[str, int], concurrency: int, duration_s: float
         f"p99 {latencies_s[int(n * 0.99)] * 1000:.1f} ms"
     )
     for name, pid in pids.items():
-        cpu_s = _cpu_s(pid) - cpu_before_s[name]
+        cpu_s = process_cpu_s(pid) - cpu_before_s[name]
         print(
             f"  {name} CPU: {cpu_s:.2f} s = {cpu_s / n * 1000:.3f} CPU-s per 1000 requests "
             f"({cpu_s / wall_s * 100:.0f}% of one core)"
         )
-
-
-def _wait_ready(url: str) -> None:
-    """Raises TimeoutError when `url` does not answer 200 before the deadline."""
-    deadline = time.monotonic() + _READY_DEADLINE_S
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready within {_READY_DEADLINE_S} s")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -168,7 +140,7 @@ def main() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            redis_port, upstream_port, gateway_port = _free_port(), _free_port(), _free_port()
+            redis_port, upstream_port, gateway_port = free_port(), free_port(), free_port()
             procs.append(
                 subprocess.Popen(
                     [
@@ -191,7 +163,7 @@ def main() -> int:
             )
             procs.append(upstream)
             upstream_url = f"http://127.0.0.1:{upstream_port}"
-            _wait_ready(f"{upstream_url}/healthz")
+            wait_http_ok(f"{upstream_url}/healthz")
             settings = GatewaySettings(
                 name="gateway-bench",
                 port=gateway_port,
@@ -207,7 +179,7 @@ def main() -> int:
             )
             procs.append(gateway)
             gateway_url = f"http://127.0.0.1:{gateway_port}"
-            _wait_ready(f"{gateway_url}/healthz")
+            wait_http_ok(f"{gateway_url}/healthz")
             print(f"closed loop, concurrency {args.concurrency}, {os.cpu_count()} cores shared")
             if not args.no_baseline:
                 print("upstream directly (baseline):")

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import psutil
+from _common import free_port
 
 from llmchaos.load import LoadConfig, LoadRun
 
@@ -68,12 +69,6 @@ http {{
     }}
 }}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class CpuMeter:

@@ -15,8 +15,6 @@ import asyncio
 import dataclasses
 import json
 import multiprocessing
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,23 +22,10 @@ import time
 from pathlib import Path
 
 import aiohttp
+from _common import cpu_s, free_port, wait_http_ok
 
 from llmchaos.stack.settings import GPU_PROFILE, WorkerSettings, write_settings
 from llmchaos.stack.tokens import make_text
-
-_READY_DEADLINE_S = 15.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of `pid` in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _drive(url: str, concurrency: int, duration_s: float, max_tokens: int) -> list[float]:
@@ -93,7 +78,7 @@ def main() -> int:
     args = parser.parse_args()
     duration_s = min(args.duration_s, 20.0)
 
-    port = _free_port()
+    port = free_port()
     scale = args.cost_scale
     profile = dataclasses.replace(
         GPU_PROFILE,
@@ -115,8 +100,8 @@ def main() -> int:
             stderr=subprocess.DEVNULL,
         )
         try:
-            _wait_ready(f"http://127.0.0.1:{port}/healthz")
-            cpu_before_s = _cpu_s(worker.pid)
+            wait_http_ok(f"http://127.0.0.1:{port}/healthz")
+            cpu_before_s = cpu_s(worker.pid)
             wall_start = time.monotonic()
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             outs = [str(Path(tmp) / f"client-{i}.json") for i in range(args.clients)]
@@ -134,7 +119,7 @@ def main() -> int:
                 if proc.is_alive():
                     proc.kill()
             wall_s = time.monotonic() - wall_start
-            worker_cpu_s = _cpu_s(worker.pid) - cpu_before_s
+            worker_cpu_s = cpu_s(worker.pid) - cpu_before_s
         finally:
             worker.terminate()
             try:
@@ -163,23 +148,6 @@ def main() -> int:
     )
     print(f"client CPU: {sum(r['cpu_s'] for r in results):.2f} s in {len(results)} process(es)")
     return 0
-
-
-def _wait_ready(url: str) -> None:
-    """Raises TimeoutError when the worker is not ready before the deadline."""
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + _READY_DEADLINE_S
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready within {_READY_DEADLINE_S} s")
 
 
 if __name__ == "__main__":
