@@ -33,10 +33,14 @@ class Variant:
     """Whether gateways fall back to CPU workers when no GPU worker can serve."""
     backup_gateway: bool = True
     """Whether HAProxy has a backup gateway to fail over to."""
+    failover: bool = True
+    """Whether gateways route around dead, loading or partitioned workers and retry elsewhere."""
 
     def gateway_settings(self, base: GatewaySettings) -> GatewaySettings:
         """`base` with this variant's gateway behaviour applied."""
-        return dataclasses.replace(base, cache=self.cache, cpu_fallback=self.cpu_fallback)
+        return dataclasses.replace(
+            base, cache=self.cache, cpu_fallback=self.cpu_fallback, failover=self.failover
+        )
 
 
 VARIANTS: dict[str, Variant] = {
@@ -44,8 +48,8 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant(
             "hardened",
-            "all protections on: TTL jitter, negative caching, coalesced misses, CPU fallback, "
-            "backup gateway",
+            "all protections on: TTL jitter, negative caching, coalesced misses, worker "
+            "failover, CPU fallback, backup gateway",
         ),
         Variant(
             "naive-cache",
@@ -61,6 +65,12 @@ VARIANTS: dict[str, Variant] = {
             "no-backup-gateway",
             "HAProxy has only the primary gateway: a gateway crash is an outage",
             backup_gateway=False,
+        ),
+        Variant(
+            "no-failover",
+            "gateways spread requests over every GPU worker, dead, loading or partitioned, and "
+            "never retry: a Service without readiness probes",
+            failover=False,
         ),
     )
 }

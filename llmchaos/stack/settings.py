@@ -162,6 +162,11 @@ class GatewaySettings:
     """Token cache behaviour (the hardened defaults; variants weaken it)."""
     cpu_fallback: bool = True
     """Serve from cpu workers when no gpu worker can take a request; off -> 503."""
+    failover: bool = True
+    """Route around bad workers: skip those failing active checks (dead, loading, partitioned)
+    or ejected after a failed request, and retry on another one. Off -> round-robin over every
+    gpu worker whatever its health, no retry: a Kubernetes Service without readiness probes
+    (health is still checked, for metrics and logs only). Default on."""
     queue_shed_threshold: int = 500
     """Shed with 429 + Retry-After when the estimated queue (requests beyond the workers'
     running batches) is over this."""

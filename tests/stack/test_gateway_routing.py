@@ -139,6 +139,50 @@ class _break:
             self._listener.__exit__(None, None, None)
 
 
+@pytest.mark.parametrize(
+    ("failure", "status"), [("refuse", 502), ("connect_hang", 504), ("http_500", 500)]
+)
+@pytest.mark.asyncio
+async def test_without_failover_a_failing_worker_keeps_its_share_and_is_not_retried(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams, failure: str, status: int
+) -> None:
+    bad, good = await upstreams("gpu-0"), await upstreams("gpu-1")
+    # one active check at start only: after its first failure `bad` stays ejected for 30 s
+    settings = _settings(
+        redis_server, token_db, [bad, good], health_interval_s=60.0, failover=False
+    )
+    async with running_gateway(settings) as gw, _break(bad, failure):
+        statuses = [(await gw.chat())[0] for _ in range(4)]
+        assert await gw.healthy() == {"gpu": 1, "cpu": 0}  # it knows, and sends there anyway
+        text = await gw.metrics()
+    # round-robin: every other request goes to the ejected worker and fails as it failed
+    assert sorted(statuses) == [200, 200, status, status], statuses
+    assert statuses[0] == statuses[2] != statuses[1] == statuses[3], statuses
+    assert len(good.received) == 2
+    assert fx.metric_value(text, RETRIES) == 0
+    assert fx.metric_value(text, "llmchaos_gateway_upstream_failures_total", worker="gpu-0") == 2
+
+
+@pytest.mark.asyncio
+async def test_without_failover_dead_and_loading_gpus_get_traffic_and_cpu_none(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    loading, cpu = await upstreams("gpu-1"), await upstreams("cpu-0", mode="cpu")
+    loading.health_status, loading.health_state = 503, "loading"
+    workers = [refusing_worker("gpu-0"), loading, cpu]
+    async with running_gateway(_settings(redis_server, token_db, workers, failover=False)) as gw:
+        assert await gw.healthy() == {"gpu": 0, "cpu": 1}  # with failover: all to cpu-0
+        replies = [await gw.chat() for _ in range(4)]
+    # the fake answers chat while reporting loading; a real worker answers 503 model_loading
+    assert sorted((s, h.get("X-Worker")) for s, h, _ in replies) == [
+        (200, "gpu-1"),
+        (200, "gpu-1"),
+        (502, None),
+        (502, None),
+    ]
+    assert cpu.received == []
+
+
 @pytest.mark.asyncio
 async def test_worker_failing_everywhere_returns_its_error_with_mode(
     redis_server: RedisServer, token_db: Path, upstreams: Upstreams

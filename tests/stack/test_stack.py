@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import time
 import urllib.request
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -20,7 +23,7 @@ from llmchaos.stack.cleanup import cleanup, leftovers
 from llmchaos.stack.procs import find_stack_processes, http_get_status, pid_alive
 from llmchaos.stack.stack import restart_gateway
 from llmchaos.stack.topology import Topology, read_agent_state
-from tests.stack.stack_client import Traffic, chat, valid_token
+from tests.stack.stack_client import Reply, Traffic, chat, valid_token
 
 pytestmark = pytest.mark.slow
 
@@ -105,27 +108,77 @@ def test_bad_input_gets_openai_errors(stack: Topology) -> None:
     assert json.loads(too_long.body)["error"]["code"] == "context_length_exceeded"
 
 
-def test_gpu_kill_moves_traffic_and_agent_brings_it_back(stack: Topology) -> None:
-    before = restarts(stack, "gpu-0")
-    pid = gpu_pid(stack, "gpu-0")
-    with Traffic(stack.gateway_url, valid_token(stack), rate_per_s=25, max_s=40) as traffic:
+@dataclass(frozen=True)
+class GpuKill:
+    """What clients saw when gpu-0's GPU process was killed under steady traffic."""
+
+    pid: int
+    """The pid killed."""
+    killed_at: float
+    ready_at: float
+    """When gpu-0's own /healthz answered 200 again (restart delay + model load later)."""
+    replies: list[Reply]
+    """Replies to every request sent from 1 s before the kill until gpu-0 served again."""
+    returned: bool
+    """Whether gpu-0 served a request after it was ready again."""
+
+    def sent_between(self, start_s: float, end_s: float) -> list[Reply]:
+        """Replies to requests sent `start_s` to `end_s` seconds after the kill."""
+        return [r for r in self.replies if start_s <= r.sent_at - self.killed_at < end_s]
+
+
+def kill_gpu0_under_traffic(topology: Topology) -> GpuKill:
+    """SIGKILL gpu-0's GPU process (pid from /gpu/processes) under 25 requests/s, and wait
+    until its agent restarted it, it loaded its model and served a request again."""
+    pid = gpu_pid(topology, "gpu-0")
+    with Traffic(topology.gateway_url, valid_token(topology), rate_per_s=25, max_s=40) as traffic:
         time.sleep(1.0)
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        time.sleep(1.5)
-        after_kill = traffic.since(killed_at + 0.5)
-        wait_healthy(stack, "gpu-0", timeout_s=20)
-        back_s = time.monotonic() - killed_at
-        returned = traffic.wait_for(lambda r: r.worker == "gpu-0", 10, after=time.monotonic())
-    failed = [r for r in traffic.since(killed_at - 1.0) if r.status != 200]
+        wait_healthy(topology, "gpu-0", timeout_s=20)
+        ready_at = time.monotonic()
+        returned = traffic.wait_for(lambda r: r.worker == "gpu-0", 10, after=ready_at)
+    # after the block: the requests still in flight at its end have their replies too
+    replies = traffic.since(killed_at - 1.0)
+    return GpuKill(pid, killed_at, ready_at, replies, returned is not None)
+
+
+def test_gpu_kill_moves_traffic_and_agent_brings_it_back(stack: Topology) -> None:
+    before = restarts(stack, "gpu-0")
+    kill = kill_gpu0_under_traffic(stack)
+    failed = [r for r in kill.replies if r.status != 200]
     assert len(failed) <= 2, f"client-visible errors beyond in-flight ones: {failed}"
+    # gpu-0 is back at the earliest 2 s after the kill (see below)
+    after_kill = kill.sent_between(0.5, 1.5)
     assert after_kill and {r.worker for r in after_kill} == {"gpu-1"}
     assert {r.mode for r in after_kill} == {"gpu"}
     assert restarts(stack, "gpu-0") == before + 1
-    assert gpu_pid(stack, "gpu-0") != pid
+    assert gpu_pid(stack, "gpu-0") != kill.pid
     # restart_delay_s 0.5 + gpu_load_s 1.5 of the test stack
+    back_s = kill.ready_at - kill.killed_at
     assert back_s >= 2.0, f"ready {back_s:.2f} s after the kill: model load must take 1.5 s"
-    assert returned is not None, "gpu-0 got no traffic after it was ready again"
+    assert kill.returned, "gpu-0 got no traffic after it was ready again"
+
+
+def test_no_failover_variant_fails_a_share_of_requests_when_a_gpu_is_killed(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    # the negative control of the test above: the same kill, without failover in the gateways
+    kill = kill_gpu0_under_traffic(stack_factory(variant="no-failover"))
+    # up to the requests in flight at the kill, all went well
+    before = kill.sent_between(-1.0, -0.5)
+    assert before and all(r.status == 200 for r in before), [r.status for r in before]
+    # gpu-0 cannot serve for restart_delay_s 0.5 + gpu_load_s 1.5 after the kill (ready_at is
+    # only when the poll saw it ready): round-robin over gpu-0 and gpu-1 fails about every
+    # other request, while dead (502) and while loading (its own 503 model_loading); never
+    # served from CPU, never retried
+    down = kill.sent_between(0.0, 2.0)
+    failed = [r for r in down if r.status != 200]
+    assert 0.3 <= len(failed) / len(down) <= 0.7, sorted(Counter(r.status for r in down).items())
+    assert {r.status for r in failed} <= {502, 503}, [r.status for r in failed]
+    assert {r.worker for r in down if r.status == 200} == {"gpu-1"}
+    assert kill.returned
+    # once gpu-0 is loaded it serves again: every request sent after that succeeds
+    after = kill.sent_between(kill.ready_at - kill.killed_at, math.inf)
+    assert after and all(r.status == 200 for r in after), [r.status for r in after]
 
 
 def test_killing_every_gpu_degrades_to_cpu(stack: Topology) -> None:

@@ -3,8 +3,9 @@
 The request body goes upstream as the bytes the client sent. A failure before anything was
 sent to the client (connect error or timeout, no headers within `first_byte_timeout_s`, a
 5xx, a plain body cut short) ejects the worker and is retried on another one, up to
-`max_retries` times. Once a stream has started, a worker failure cuts the client's stream
-(the client sees a truncated response, as behind any real proxy) and is counted.
+`max_retries` times; without `failover` it is not retried and goes to the client as it is.
+Once a stream has started, a worker failure cuts the client's stream (the client sees a
+truncated response, as behind any real proxy) and is counted.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class Proxy:
         self._pool = pool
         self._metrics = metrics
         self._session = session
-        self._max_retries = max(0, settings.max_retries)
+        # no failover, no retry: the client gets the first worker's failure
+        self._max_retries = max(0, settings.max_retries) if settings.failover else 0
         self._first_byte_timeout_s = settings.first_byte_timeout_s
         self._gateway_name = settings.name
         self._timeout = aiohttp.ClientTimeout(

@@ -17,6 +17,12 @@ Rules (also in the gateway's README section):
   healthy cpu workers with capacity; else the least loaded healthy gpu worker even though it
   is full (its queue is shorter to wait in than a cpu one), else a full cpu worker; else none
   (-> 503 no_healthy_upstream). Ties rotate so that an idle pool spreads requests.
+- without `failover` (the `no-failover` variant): round-robin over all gpu workers (cpu
+  workers only when there is no gpu worker and `cpu_fallback` is on), ignoring health,
+  ejection and capacity, and the proxy does not retry: a Kubernetes Service without readiness
+  probes. Health is still checked, for metrics, logs and `max_num_seqs`. Round-robin rather
+  than least outstanding: a dead worker fails fast and so always looks least loaded, which
+  would pull nearly all traffic into it instead of its share.
 - estimated queue = sum over workers of max(0, outstanding - max_num_seqs): what admission
   control sheds on.
 """
@@ -94,6 +100,9 @@ class WorkerPool:
         self._gpu = tuple(w for w in self.workers if w.mode == "gpu")
         self._cpu = tuple(w for w in self.workers if w.mode == "cpu")
         self._cpu_fallback = settings.cpu_fallback
+        self._failover = settings.failover
+        # what a Service without readiness probes spreads over: every gpu worker, always
+        self._always_eligible = self._gpu or (self._cpu if self._cpu_fallback else ())
         self._eject_s = settings.eject_s
         self._health_interval_s = settings.health_interval_s
         self._health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
@@ -102,8 +111,10 @@ class WorkerPool:
 
     def select(self, exclude: Collection[Worker] = ()) -> Worker | None:
         """The worker for the next request (rules in the module docstring), or None."""
-        now = time.monotonic()
         self._rotation += 1
+        if not self._failover:
+            return self._round_robin(exclude)
+        now = time.monotonic()
         chosen = self._least_loaded(self._gpu, now, exclude, within_capacity=True)
         if chosen is None and self._cpu_fallback:
             chosen = self._least_loaded(self._cpu, now, exclude, within_capacity=True)
@@ -112,6 +123,15 @@ class WorkerPool:
         if chosen is None and self._cpu_fallback:
             chosen = self._least_loaded(self._cpu, now, exclude, within_capacity=False)
         return chosen
+
+    def _round_robin(self, exclude: Collection[Worker]) -> Worker | None:
+        workers = self._always_eligible
+        count = len(workers)
+        for i in range(count):
+            worker = workers[(self._rotation + i) % count]
+            if worker not in exclude:
+                return worker
+        return None
 
     def _least_loaded(
         self,
