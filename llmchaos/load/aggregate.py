@@ -1,8 +1,9 @@
 """The master's merged view: windows, the summary, and timeline lines once they are final.
 
 Worker reports come in through `add_report`; `window()` answers the live HTTP endpoint,
-`summary()` the end of the run, `final_lines()` the incremental JSON-lines timeline. Plain
-Python (no gevent), so tests and the analysis use it directly.
+`summary()` the end of the run, `final_lines()` the incremental JSON-lines timeline and
+`seconds_lines()` the same per-second records live (final or not); both are made by `line()`.
+Plain Python (no gevent), so tests and the analysis use it directly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ FRAME_DROP_S = 3.0
 """A frame drop: this long or longer without a successful response (the field's definition)."""
 STALE_WORKER_S = 15.0
 """A worker silent this long no longer holds back finality of timeline seconds (it died)."""
+_TS_SLACK_S = 0.001
+"""Resolution of a line's "ts" (rounded to 1 ms)."""
 
 
 def quantiles(h: LogHistogram) -> dict[str, float | None]:
@@ -185,27 +188,55 @@ class Aggregate:
             "serving_modes": dict(m.modes),
         }
 
+    def _final_upto(self) -> int:
+        """Seconds below this are final: no live worker can still change them (and those
+        already written to the timeline are final whatever happened to their workers)."""
+        now = time.monotonic()
+        live = [w for w in self._workers.values() if now - w["seen"] < STALE_WORKER_S]
+        if not live:
+            return self._written_upto
+        # A worker with nothing open and nothing left to schedule reports None.
+        horizons = [w["complete_before_s"] for w in live if w["complete_before_s"] is not None]
+        upto = min(horizons) if horizons else max(self.seconds, default=-1) + 1
+        return max(upto, self._written_upto)
+
+    def line(self, sec: int, stats: SecondStats) -> dict[str, Any]:
+        """The record of scheduled second `sec`: one timeline line, one item of /seconds.
+
+        `unanswered` (scheduled - dropped - answered, as of the last reports) closes the
+        accounting of the line; in a final line it is normally 0, else requests of a worker
+        that died or did not drain.
+        """
+        line = {"t": sec, "ts": round(self.start_epoch_s + sec, 3), **stats.to_json()}
+        line["unanswered"] = stats.scheduled - stats.dropped - stats.done
+        line["latency_ms"] = quantiles(stats.hist["latency_ms"])
+        line["ttft_ms"] = quantiles(stats.hist["ttft_ms"])
+        line["schedule_lag_ms"] = quantiles(stats.hist["lag_ms"])
+        return line
+
     def final_lines(self, flush_all: bool = False) -> list[dict[str, Any]]:
         """Timeline lines for seconds no live worker can still change (all when `flush_all`)."""
-        if flush_all:
-            upto = max(self.seconds, default=-1) + 1
-        else:
-            now = time.monotonic()
-            live = [w for w in self._workers.values() if now - w["seen"] < STALE_WORKER_S]
-            if not live:
-                return []
-            # A worker with nothing open and nothing left to schedule reports None.
-            horizons = [w["complete_before_s"] for w in live if w["complete_before_s"] is not None]
-            upto = min(horizons) if horizons else max(self.seconds, default=-1) + 1
-        lines = []
-        for sec in range(self._written_upto, upto):
-            stats = self.seconds.get(sec)
-            if stats is None:
-                continue
-            line = {"t": sec, "ts": round(self.start_epoch_s + sec, 3), **stats.to_json()}
-            line["latency_ms"] = quantiles(stats.hist["latency_ms"])
-            line["ttft_ms"] = quantiles(stats.hist["ttft_ms"])
-            line["schedule_lag_ms"] = quantiles(stats.hist["lag_ms"])
-            lines.append(line)
+        upto = max(self.seconds, default=-1) + 1 if flush_all else self._final_upto()
+        lines = [
+            self.line(sec, self.seconds[sec])
+            for sec in range(self._written_upto, upto)
+            if sec in self.seconds
+        ]
         self._written_upto = max(self._written_upto, upto)
         return lines
+
+    def seconds_lines(self, from_s: float, to_s: float) -> list[dict[str, Any]]:
+        """Records of the seconds starting in [from_s, to_s), final or not (live data), by t.
+
+        Each is `line()` plus "final": true once no live worker can change it any more.
+        Seconds in which nothing was scheduled have no record, as in the timeline. The bounds
+        are compared 1 ms early: a line's "ts" is rounded to 1 ms, and a reader passing it back
+        as since_ts (or until_ts) must get that line (or not) whichever way it was rounded.
+        """
+        upto = self._final_upto()
+        lo, hi = from_s - _TS_SLACK_S, to_s - _TS_SLACK_S
+        return [
+            {**self.line(sec, self.seconds[sec]), "final": sec < upto}
+            for sec in sorted(self.seconds)
+            if lo <= sec < hi
+        ]

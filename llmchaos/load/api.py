@@ -1,10 +1,17 @@
 """The library call: run the load in the background, read live windows, steer it, stop it.
 
     run = LoadRun.start(LoadConfig(url="http://127.0.0.1:8000", qps=200, duration_s=120))
+    t0 = run.wait_started()           # epoch of the schedule's time zero
     w = run.window(last_s=5)          # dict: achieved_qps, latency_ms{p50..p999}, ...
     run.set_qps(400)
     run.inject_burst(duration_s=5, factor=2.0)
+    for second in run.seconds(since_ts=t0):   # per-second records, final or not
+        ...
     summary = run.stop()              # or run.wait() for the natural end
+
+`LoadConfig.owner_pid` makes the load stop itself when that process is gone; every load
+process carries `LLMCHAOS_LOAD=<run dir>` in its environment, and `find_load_processes()` finds
+them (for a cleanup after a crash).
 
 Locust (and so gevent monkey-patching) lives in a child process: this module imports neither,
 so an asyncio program (the gateway, the Chaos Toolkit control) can use it. Calls block on
@@ -28,12 +35,13 @@ from typing import Any
 
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.load.config import LoadConfig, default_run_dir, validate
+from llmchaos.load.procs import LOAD_ENV, find_marked, start_ticks
 from llmchaos.load.profiles import build_profile
 from llmchaos.load.summary import Summary
-from llmchaos.load.traffic import load_tenants
+from llmchaos.load.traffic import check_bad_tokens, load_tenants
 from llmchaos.load.wire import CONFIG_ARGUMENT, LIVE_FILE, split_url
 
-__all__ = ["LoadError", "LoadRun", "check_config", "locust_command"]
+__all__ = ["LoadError", "LoadRun", "check_config", "find_load_processes", "locust_command"]
 
 LOCUSTFILE = str(Path(__file__).with_name("locustfile.py"))
 _POLL_S = 0.1
@@ -48,8 +56,10 @@ def check_config(config: LoadConfig) -> None:
     validate(config)
     build_profile(config)
     split_url(config.url)
-    if config.tokens_file:
-        load_tenants(config.tokens_file)
+    tenants = load_tenants(config.tokens_file) if config.tokens_file else []
+    check_bad_tokens(config.bad_tokens, config.bad_token_share, tenants)
+    if config.owner_pid is not None and start_ticks(config.owner_pid) is None:
+        raise InvalidInput(f"owner_pid: no process {config.owner_pid} is running")
     if config.check_target:
         _check_target(config.url, timeout_s=min(config.timeout_s, 3.0))
 
@@ -63,6 +73,13 @@ def _check_target(url: str, timeout_s: float) -> None:
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise InvalidInput(f"--url: {url} does not answer ({reason})") from None
+
+
+def find_load_processes() -> dict[int, str]:
+    """Running load processes (Locust masters and their workers) of any run, found by their
+    `LLMCHAOS_LOAD` environment marker: pid -> absolute run folder. This process is left out;
+    processes of other users cannot be read and are not listed."""
+    return find_marked(LOAD_ENV)
 
 
 def locust_command(config: LoadConfig) -> list[str]:
@@ -119,9 +136,12 @@ class LoadRun:
         config = replace(config, run_dir=str(run_dir))
         (run_dir / "config.json").write_text(config.to_json())
         (run_dir / LIVE_FILE).unlink(missing_ok=True)
+        # The marker lets a cleanup find this load again after its owner died.
+        env = {**os.environ, LOAD_ENV: str(run_dir.resolve())}
         with (run_dir / "locust.log").open("wb") as log:
             process = subprocess.Popen(
                 locust_command(config),
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -172,6 +192,14 @@ class LoadRun:
         else:
             query = f"last_s={last_s}"
         return self._call("GET", f"/window?{query}")
+
+    def seconds(self, since_ts: float, until_ts: float | None = None) -> list[dict[str, Any]]:
+        """Records of the scheduled seconds starting in [since_ts, until_ts or now) (epoch s),
+        final or not, by time: each the shape of a timeline line ("t", "ts", counts, "failed",
+        "modes", "tenants", "hist", quantiles, "unanswered") plus "final". Raises LoadError
+        before the start."""
+        query = f"since_ts={since_ts}" + (f"&until_ts={until_ts}" if until_ts is not None else "")
+        return self._call("GET", f"/seconds?{query}")["seconds"]
 
     def metrics_text(self) -> str:
         return self._call("GET", "/metrics")

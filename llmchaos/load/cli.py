@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -24,6 +25,12 @@ _COMMON: list[tuple[str, str, Any, str]] = [
         "bad_token_share",
         float,
         "share of requests with revoked/unknown tokens",
+    ),
+    (
+        "--bad-tokens",
+        "bad_tokens",
+        str,
+        "which bad tokens: mixed (revoked + unknown) | revoked (stale, from --tokens) | unknown",
     ),
     ("--model", "model", str, "model name sent in every request"),
     ("--stream-share", "stream_share", float, "share of streaming (SSE) requests"),
@@ -67,7 +74,8 @@ def _add(
 
 def _config(args: argparse.Namespace, specs: list[tuple[str, str, Any, str]]) -> LoadConfig:
     values = {name: getattr(args, name) for _, name, _, _ in specs}
-    return LoadConfig(url=args.url, **values)
+    # Owned by this command: a SIGKILLed `llmchaos load` (no cleanup) stops its load too.
+    return LoadConfig(url=args.url, owner_pid=os.getpid(), **values)
 
 
 def _load(args: argparse.Namespace) -> int:

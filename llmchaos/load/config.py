@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput
+from llmchaos.load.traffic import check_bad_tokens
 
 __all__ = ["PROFILE_NAMES", "LoadConfig", "default_run_dir", "validate"]
 
@@ -59,6 +60,14 @@ class LoadConfig:
     Authorization header."""
     bad_token_share: float = 0.0
     """Share of requests sent with a revoked or unknown token [--bad-token-share] (auth chaos)."""
+    bad_tokens: str = "mixed"
+    """Which bad tokens that share sends [--bad-tokens]: "mixed" (default, half revoked tokens
+    from the tokens file, half random unknown ones), "revoked" (only revoked tokens of the file;
+    the file must have some when bad_token_share > 0) or "unknown" (only random unknown tokens).
+    The two test different things: after a mass token refresh clients keep sending the same
+    few stale tokens, which is what negative caching protects against; random unknown tokens
+    never repeat, so each is a cache miss that reaches the token table (cache penetration),
+    which negative caching cannot stop."""
     model: str = "llmchaos-7b"
     """Model name in every request [--model] (the embedded stack serves llmchaos-7b)."""
     stream_share: float = 0.3
@@ -107,6 +116,11 @@ class LoadConfig:
     """Also feed Locust's request stats (web UI tables); costs ~20% CPU per request."""
     check_target: bool = True
     """Before starting, require the URL to answer (any HTTP status); else InvalidInput."""
+    owner_pid: int | None = None
+    """Pid of the process this load belongs to; None (default): none. The load stops itself,
+    as if /control/stop was called (drain, summary), about a second after that process is
+    gone, so a `chaos run` killed with SIGKILL (no cleanup runs) does not leave load running
+    against the target. The process is identified by pid and start time: a reused pid is gone."""
 
     def resolved_duration_s(self, profile_duration_s: float | None) -> float:
         """The schedule length given the profile's own length (None for rate-only profiles)."""
@@ -173,6 +187,10 @@ def validate(config: LoadConfig) -> None:
         raise InvalidInput(f"--url: expected http://host:port, got {config.url!r}")
     if config.burst_factor < 0:
         raise InvalidInput(f"burst_factor: expected >= 0, got {config.burst_factor!r}")
+    check_bad_tokens(config.bad_tokens, config.bad_token_share, None)
+    owner = config.owner_pid
+    if owner is not None and (isinstance(owner, bool) or not isinstance(owner, int) or owner < 1):
+        raise InvalidInput(f"owner_pid: expected a process id >= 1 or None, got {owner!r}")
 
 
 def default_run_dir() -> Path:

@@ -6,11 +6,21 @@ process.py serves it with gevent's WSGI server inside the Locust master.
     GET  /status                          state, time zero, schedule position
     GET  /window?last_s=10                requests scheduled in the last 10 s
     GET  /window?since_ts=EPOCH[&until_ts=EPOCH]
+    GET  /seconds?since_ts=EPOCH[&until_ts=EPOCH]
+                                          per-second records of the seconds starting in
+                                          [since_ts, until_ts or now), final or not
     GET  /summary                         the summary so far (final once state is "done")
     GET  /metrics                         Prometheus text: run totals + last-10 s gauges
     POST /control/qps?qps=N               change the total rate from now on
     POST /control/burst?duration_s=S&factor=F
     POST /control/stop                    stop scheduling, drain, write the summary
+
+/seconds answers {"start_ts", "now_s", "seconds": [...]}; each item is the record of one
+scheduled second, the same object as a line of the timeline file ("t", "ts", "scheduled",
+"dropped", "ok", "failed" by class, "modes", "tenants", "hist" with the serialized histograms,
+"unanswered", and "latency_ms"/"ttft_ms"/"schedule_lag_ms" quantiles), plus "final": false
+while a worker can still add to it. "unanswered" = scheduled - dropped - answered at this
+moment. Seconds in which nothing was scheduled have no item.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ METRICS_WINDOW_S = 10.0
 class LiveSource(Protocol):
     def status(self) -> dict[str, Any]: ...
     def window(self, from_s: float, to_s: float) -> dict[str, Any]: ...
+    def seconds(self, from_s: float, to_s: float) -> list[dict[str, Any]]: ...
     def summary(self) -> dict[str, Any]: ...
     def start_epoch_s(self) -> float | None: ...
     def now_s(self) -> float: ...
@@ -53,6 +64,11 @@ def _number(params: dict[str, list[str]], name: str, default: float | None = Non
         raise _BadRequest(f"{name}: expected a number, got {raw[0]!r}") from None
 
 
+def _offsets(params: dict[str, list[str]], start: float, now_s: float) -> tuple[float, float]:
+    """(from_s, to_s) schedule offsets of since_ts (required) and until_ts (default: now)."""
+    return _number(params, "since_ts") - start, _number(params, "until_ts", start + now_s) - start
+
+
 def make_app(source: LiveSource) -> Callable[..., Iterable[bytes]]:
     """The WSGI app of the live endpoint over `source`."""
 
@@ -66,15 +82,19 @@ def make_app(source: LiveSource) -> Callable[..., Iterable[bytes]]:
             return 200, {"stopping": True}
         if source.start_epoch_s() is None:
             return 409, {"error": "the load has not started yet"}
+        start = source.start_epoch_s() or 0.0
         if method == "GET" and path == "/window":
-            start = source.start_epoch_s() or 0.0
             if "since_ts" in params:
-                from_s = _number(params, "since_ts") - start
-                to_s = _number(params, "until_ts", start + source.now_s()) - start
+                from_s, to_s = _offsets(params, start, source.now_s())
             else:
                 to_s = source.now_s()
                 from_s = to_s - _number(params, "last_s", 10.0)
             return 200, source.window(from_s, to_s)
+        if method == "GET" and path == "/seconds":
+            now_s = source.now_s()
+            from_s, to_s = _offsets(params, start, now_s)
+            body = {"start_ts": start, "now_s": round(now_s, 3)}
+            return 200, {**body, "seconds": source.seconds(from_s, to_s)}
         if method == "GET" and path == "/summary":
             return 200, source.summary()
         if method == "POST" and path == "/control/qps":

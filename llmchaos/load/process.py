@@ -5,12 +5,13 @@ Roles: a LocalRunner is both master and worker; with `--processes N` (or Kuberne
 merges reports and the workers send load. The master picks the schedule's time zero when the
 test starts and tells the workers; the run ends when every worker sent its final report (or a
 deadline passes: a dead worker must not hang the run), then the summary is written and Locust
-quits.
+quits. With `owner_pid` set, the master also stops the run once that process is gone.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from locust.runners import MasterRunner, WorkerRunner
 from llmchaos.load.aggregate import Aggregate
 from llmchaos.load.config import LoadConfig, default_run_dir
 from llmchaos.load.live import make_app
+from llmchaos.load.procs import Owner
 from llmchaos.load.profiles import build_profile
 from llmchaos.load.user import WORKER
 from llmchaos.load.wire import (
@@ -39,7 +41,11 @@ from llmchaos.load.wire import (
 
 __all__ = ["Controller"]
 
+logger = logging.getLogger(__name__)
+
 _TICK_S = 0.5
+_OWNER_CHECK_S = 1.0
+"""How often the master checks that the owner process is still there (one /proc read)."""
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -81,6 +87,8 @@ class Controller:
         host = "127.0.0.1" if self.config.live_host in ("0.0.0.0", "") else self.config.live_host
         url = f"http://{host}:{self.server.server_port}"
         write_json_atomic(self.run_dir / LIVE_FILE, {"url": url, "pid": os.getpid()})
+        if self.config.owner_pid is not None:
+            gevent.spawn(self._watch_owner, Owner(self.config.owner_pid))
 
     # Locust hooks
 
@@ -121,6 +129,10 @@ class Controller:
         assert self.aggregate is not None
         return self.aggregate.window(from_s, to_s)
 
+    def seconds(self, from_s: float, to_s: float) -> list[dict[str, Any]]:
+        assert self.aggregate is not None
+        return self.aggregate.seconds_lines(from_s, to_s)
+
     def summary(self) -> dict[str, Any]:
         assert self.aggregate is not None
         return self.aggregate.summary()
@@ -137,6 +149,15 @@ class Controller:
         self.stop_requested.set()
 
     # The run
+
+    def _watch_owner(self, owner: Owner) -> None:
+        """Stop the run once the owner is gone: nobody is left to stop it (a SIGKILLed
+        `chaos run`), and load must not keep hitting the target. A stop before the test
+        started takes effect at its first tick."""
+        while not owner.gone():
+            gevent.sleep(_OWNER_CHECK_S)
+        logger.warning("llmchaos load: owner process %d is gone, stopping", owner.pid)
+        self.stop()
 
     def _lifecycle(self) -> None:
         agg = self.aggregate

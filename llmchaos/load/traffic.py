@@ -14,13 +14,25 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmchaos.errors import InvalidInput
 from llmchaos.stack.tokens import make_text
 
-__all__ = ["RequestSpec", "Tenant", "TrafficModel", "TrafficSpec", "load_tenants"]
+__all__ = [
+    "BAD_TOKEN_KINDS",
+    "RequestSpec",
+    "Tenant",
+    "TrafficModel",
+    "TrafficSpec",
+    "check_bad_tokens",
+    "load_tenants",
+]
+
+BAD_TOKEN_KINDS = ("mixed", "revoked", "unknown")
+"""Which bad tokens are sent (LoadConfig.bad_tokens explains why they differ)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,7 @@ class TrafficSpec:
     output_max_tokens: int = 1024
     stream_share: float = 0.3
     bad_token_share: float = 0.0
+    bad_tokens: str = "mixed"
 
 
 @dataclass(frozen=True)
@@ -84,10 +97,32 @@ def load_tenants(path: str | Path) -> list[Tenant]:
     return tenants
 
 
+def check_bad_tokens(kind: str, share: float, tenants: Sequence[Tenant] | None) -> None:
+    """Raises InvalidInput naming --bad-tokens for an unknown kind, or for "revoked" with a
+    share > 0 and no revoked token among `tenants` (None: not read yet, only the kind is checked).
+    """
+    if kind not in BAD_TOKEN_KINDS:
+        raise InvalidInput(
+            f"--bad-tokens: expected one of {', '.join(BAD_TOKEN_KINDS)}, got {kind!r}"
+        )
+    if (
+        kind == "revoked"
+        and share > 0
+        and tenants is not None
+        and not any(t.revoked for t in tenants)
+    ):
+        raise InvalidInput(
+            "--bad-tokens: 'revoked' with --bad-token-share > 0 needs revoked tokens in the "
+            "tokens file (--tokens), and there are none"
+        )
+
+
 class TrafficModel:
     """Draws requests; one per worker, seeded, not thread-safe (one gevent hub)."""
 
     def __init__(self, spec: TrafficSpec, tenants: list[Tenant] | None = None, seed: int = 0):
+        """Raises InvalidInput for a bad `spec.bad_tokens` (see check_bad_tokens)."""
+        check_bad_tokens(spec.bad_tokens, spec.bad_token_share, tenants)
         self.spec = spec
         self._rng = random.Random(seed)
         self._valid = [t for t in tenants or [] if not t.revoked]
@@ -123,7 +158,12 @@ class TrafficModel:
         if not self._valid:
             return "anonymous", ""
         if self.spec.bad_token_share and self._rng.random() < self.spec.bad_token_share:
-            if self._revoked and self._rng.random() < 0.5:
+            kind = self.spec.bad_tokens
+            # "mixed" draws its coin only when the file has revoked tokens, as it always did:
+            # the same seed keeps giving the same run.
+            if kind == "revoked" or (
+                kind == "mixed" and self._revoked and self._rng.random() < 0.5
+            ):
                 t = self._rng.choice(self._revoked)
                 return t.tenant, f"Bearer {t.token}"
             return "unknown", f"Bearer unknown-{self._rng.getrandbits(64):016x}"

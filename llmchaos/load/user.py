@@ -190,6 +190,7 @@ def _traffic_spec(config: LoadConfig) -> TrafficSpec:
         output_max_tokens=config.output_max_tokens,
         stream_share=config.stream_share,
         bad_token_share=config.bad_token_share,
+        bad_tokens=config.bad_tokens,
     )
 
 

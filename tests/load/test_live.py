@@ -151,3 +151,34 @@ def test_locust_web_ui_is_served_during_an_open_loop_run(fake_server, tmp_path):
     assert status == 200 and kind.startswith("text/html"), kind
     assert b"<html" in page.lower() and b"locust" in page.lower()
     assert summary.ok == summary.scheduled == 200
+
+
+def test_seconds_give_live_records_that_become_the_timeline_lines(fake_server, tmp_path):
+    server = fake_server("--delay-ms", "1000")  # answers take 1 s: recent seconds are open
+    config = LoadConfig(
+        url=server.url,
+        qps=40,
+        duration_s=4.0,
+        profile="constant",
+        run_dir=str(tmp_path),
+        drain_s=3.0,
+    )
+    with LoadRun.start(config) as run:
+        start = run.wait_started()
+        time.sleep(max(0.0, start + 3.5 - time.time()))
+        live = run.seconds(since_ts=start)
+        one = run.seconds(since_ts=start + 1, until_ts=start + 2)
+        summary = run.wait()
+    lines = {x["t"]: x for x in map(json.loads, run.timeline_path.read_text().splitlines())}
+    assert sorted(lines) == [0, 1, 2, 3]
+    assert all(x["scheduled"] == 40 and x["unanswered"] == 0 for x in lines.values())
+    assert summary.ok == summary.scheduled == 160
+    assert [x["t"] for x in live] == list(range(len(live))) and len(live) >= 3, live
+    assert [x["t"] for x in one] == [1]
+    for x in live:
+        assert set(x) == set(lines[x["t"]]) | {"final"}
+        answered = x["ok"] + sum(x["failed"].values())
+        assert x["unanswered"] == x["scheduled"] - x["dropped"] - answered
+    # Second 0 was settled at 3.5 s: its record is already the line the file got.
+    assert live[0] == {**lines[0], "final": True}
+    assert any(not x["final"] and x["unanswered"] > 0 for x in live), live

@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from llmchaos.cli import main
 from llmchaos.errors import InvalidInput
+from llmchaos.load import LoadConfig, LoadRun
+from llmchaos.load.api import check_config
+from llmchaos.load.config import validate
 from llmchaos.load.traffic import Tenant, TrafficModel, TrafficSpec, load_tenants
 from llmchaos.stack.tokens import count_tokens
 
@@ -69,6 +73,107 @@ def test_bad_token_share_sends_revoked_and_unknown_tokens():
     assert 1800 < bad < 2200
     assert any(a == "Bearer r1" for a in auths)
     assert any(a.startswith("Bearer unknown-") for a in auths)
+
+
+TENANTS = [
+    Tenant("t1", "alpha"),
+    Tenant("r1", "stale", revoked=True),
+    Tenant("r2", "stale", revoked=True),
+]
+
+
+def _bad_auths(kind: str, n: int = 5000) -> list[str]:
+    model = TrafficModel(TrafficSpec(bad_token_share=0.4, bad_tokens=kind), TENANTS, seed=5)
+    auths = [model.next_request().headers["Authorization"] for _ in range(n)]
+    return [a for a in auths if a != "Bearer t1"]
+
+
+def test_mixed_is_the_default_and_sends_both_kinds():
+    assert TrafficSpec().bad_tokens == LoadConfig().bad_tokens == "mixed"
+    bad = _bad_auths("mixed")
+    revoked = sum(1 for a in bad if a in ("Bearer r1", "Bearer r2"))
+    assert 1800 < len(bad) < 2200
+    assert 0.4 < revoked / len(bad) < 0.6  # half and half
+    assert all(a in ("Bearer r1", "Bearer r2") or a.startswith("Bearer unknown-") for a in bad)
+
+
+def test_revoked_sends_only_the_files_revoked_tokens_again_and_again():
+    bad = _bad_auths("revoked")
+    assert 1800 < len(bad) < 2200
+    assert set(bad) == {"Bearer r1", "Bearer r2"}
+
+
+def test_unknown_sends_only_random_tokens_that_never_repeat():
+    bad = _bad_auths("unknown")
+    assert 1800 < len(bad) < 2200
+    assert all(re.fullmatch(r"Bearer unknown-[0-9a-f]{16}", a) for a in bad)
+    assert len(set(bad)) == len(bad)
+
+
+def test_bad_tokens_kind_is_validated_naming_the_flag():
+    message = r"--bad-tokens: expected one of mixed, revoked, unknown, got 'stale'"
+    with pytest.raises(InvalidInput, match=message):
+        validate(LoadConfig(bad_tokens="stale"))
+    with pytest.raises(InvalidInput, match=message):
+        TrafficModel(TrafficSpec(bad_tokens="stale"))
+
+
+def test_revoked_needs_revoked_tokens_when_a_share_is_asked(tmp_path: Path):
+    fresh = tmp_path / "fresh.json"
+    fresh.write_text('{"tokens": [{"token": "a", "tenant": "x", "revoked": false}]}')
+    message = "--bad-tokens: 'revoked' with --bad-token-share > 0 needs revoked tokens"
+    for tokens_file in (str(fresh), None):
+        config = LoadConfig(
+            tokens_file=tokens_file, bad_tokens="revoked", bad_token_share=0.1, check_target=False
+        )
+        with pytest.raises(InvalidInput, match=message):
+            check_config(config)
+    check_config(LoadConfig(tokens_file=str(fresh), bad_tokens="revoked", check_target=False))
+    with pytest.raises(InvalidInput, match=message):
+        TrafficModel(TrafficSpec(bad_token_share=0.1, bad_tokens="revoked"), [Tenant("a", "x")])
+
+
+def test_cli_bad_tokens_flag_reaches_the_config(tmp_path: Path, capsys):
+    fresh = tmp_path / "fresh.json"
+    fresh.write_text('{"tokens": [{"token": "a", "tenant": "x", "revoked": false}]}')
+    url = ["load", "--url", "http://127.0.0.1:9"]
+    assert main([*url, "--bad-tokens", "stale"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--bad-tokens: expected one of mixed, revoked, unknown" in err and "\n" not in err
+    args = ["--tokens", str(fresh), "--bad-token-share", "0.5", "--bad-tokens", "revoked"]
+    assert main([*url, *args]) == 2
+    assert "needs revoked tokens" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_sends_the_bad_tokens_asked_for(fake_server, tmp_path: Path):
+    server = fake_server()
+    tokens = tmp_path / "tokens.json"
+    entries = [
+        {"token": "a", "tenant": "alpha"},
+        {"token": "r", "tenant": "stale", "revoked": True},
+    ]
+    tokens.write_text(json.dumps({"tokens": entries}))
+    config = LoadConfig(
+        url=server.url,
+        qps=100,
+        duration_s=2.0,
+        profile="constant",
+        tokens_file=str(tokens),
+        bad_token_share=0.5,
+        bad_tokens="revoked",
+        run_dir=str(tmp_path / "run"),
+        drain_s=1.0,
+    )
+    with LoadRun.start(config) as run:
+        summary = run.wait()
+    tenants: dict[str, int] = {}
+    for line in run.timeline_path.read_text().splitlines():
+        for name, n in json.loads(line)["tenants"].items():
+            tenants[name] = tenants.get(name, 0) + n
+    assert summary.ok == 200
+    assert set(tenants) == {"alpha", "stale"}, tenants  # "mixed" would also send "unknown"
+    assert 60 < tenants["stale"] < 140
 
 
 def test_tokens_file_errors_name_the_flag(tmp_path: Path):

@@ -1,0 +1,101 @@
+"""The owner watchdog and the LLMCHAOS_LOAD marker: a load whose owner died stops by itself,
+and stray load processes can be found in /proc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from llmchaos.errors import InvalidInput
+from llmchaos.load import LoadConfig, LoadRun, procs
+from llmchaos.load.api import check_config, find_load_processes
+from llmchaos.load.procs import Owner, start_ticks
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_owner_is_gone_once_killed_even_before_it_is_reaped():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        owner = Owner(child.pid)
+        assert not owner.gone()
+        child.kill()
+        # Not reaped yet: a zombie is dead all the same.
+        assert _wait_for(owner.gone, 5.0)
+        assert start_ticks(child.pid) is None
+    finally:
+        child.kill()
+        child.wait()
+    assert owner.gone()
+
+
+def test_owner_whose_pid_was_reused_is_gone(monkeypatch):
+    monkeypatch.setattr(procs, "start_ticks", lambda pid: 1000)
+    owner = Owner(os.getpid())
+    assert not owner.gone()
+    monkeypatch.setattr(procs, "start_ticks", lambda pid: 2000)  # another process, same pid
+    assert owner.gone()
+
+
+@pytest.mark.parametrize(
+    ("owner_pid", "message"),
+    [
+        (0, "owner_pid: expected a process id >= 1"),
+        (True, "owner_pid: expected a process id >= 1"),
+        (int(Path("/proc/sys/kernel/pid_max").read_text()) + 1, "owner_pid: no process"),
+    ],
+    ids=["zero", "bool", "no-such-process"],
+)
+def test_bad_owner_pid_is_invalid_input(owner_pid, message):
+    config = LoadConfig(owner_pid=owner_pid, check_target=False)
+    with pytest.raises(InvalidInput, match=message):
+        check_config(config)
+
+
+@pytest.mark.slow
+def test_load_stops_itself_when_its_owner_is_killed(fake_server, tmp_path):
+    server = fake_server()
+    owner = subprocess.Popen(["sleep", "30"])
+    run_dir = tmp_path / "run"
+    config = LoadConfig(
+        url=server.url,
+        qps=50,
+        duration_s=60.0,
+        profile="constant",
+        workers=2,
+        run_dir=str(run_dir),
+        drain_s=2.0,
+        owner_pid=owner.pid,
+    )
+    try:
+        with LoadRun.start(config) as run:
+            start = run.wait_started()
+            time.sleep(max(0.0, start + 1.5 - time.time()))
+            ours = {pid for pid, d in find_load_processes().items() if d == str(run_dir.resolve())}
+            assert run.status()["state"] == "running"
+            owner.kill()
+            owner.wait()
+            killed = time.monotonic()
+            summary = run.wait(timeout_s=15.0)
+            took_s = time.monotonic() - killed
+    finally:
+        owner.kill()
+        owner.wait()
+    assert run.process.pid in ours and len(ours) == 3, ours  # the master and its 2 workers
+    assert took_s < 8.0, took_s  # ~3 s: 1 s check, drain, final reports, summary, quit
+    assert summary.accounting_closed and summary.ok == summary.scheduled
+    assert 50 <= summary.scheduled < 50 * 10, summary.scheduled
+    assert _wait_for(lambda: not ours & set(find_load_processes()), 5.0)
+    assert "owner process" in (run_dir / "locust.log").read_text()
