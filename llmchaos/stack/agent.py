@@ -67,6 +67,9 @@ class _Agent:
 
     def start(self, worker: AgentWorker) -> None:
         argv = [sys.executable, "-m", "llmchaos.stack.worker", "--settings", worker.settings_path]
+        previous = self.states.get(worker.name)
+        if previous is not None:
+            argv.append("--restart")
         with Path(worker.log_path).open("ab") as out:
             proc = subprocess.Popen(
                 argv,
@@ -76,7 +79,6 @@ class _Agent:
                 preexec_fn=set_parent_death_signal,
             )
         self.procs[worker.name] = proc
-        previous = self.states.get(worker.name)
         restarts = previous.restarts + 1 if previous else 0
         self.states[worker.name] = WorkerState(
             pid=proc.pid,

@@ -109,6 +109,10 @@ class StackConfig:
     Kubernetes plus a real 7B model takes tens of seconds; locally a few keep runs short."""
     cpu_load_s: float = 1.0
     """Model-load time of a CPU worker."""
+    first_load_s: float | None = None
+    """Model-load time at a worker's first start, when shorter than its restarts' (None: the
+    same). Chaos runs use it so the stack comes up fast while a killed worker still takes
+    gpu_load_s to come back."""
     restart_delay_s: float = 0.5
     """How long a node agent waits before restarting a process that died (kubelet backoff)."""
     tenants: int = 8
@@ -119,6 +123,8 @@ class StackConfig:
     """Revoked tokens in the table (listed in the tokens file as revoked, for negative tests)."""
     token_db_latency_ms: float = 5.0
     """Added to every token-table lookup: the round trip to a networked database."""
+    token_db_pool_size: int = 4
+    """Token-table connections per gateway: what a cache stampede queues on."""
     queue_shed_threshold: int = 500
     """Gateways shed with 429 above this many queued requests."""
     state_root: Path = Path("reports/stacks")
@@ -130,7 +136,12 @@ class StackConfig:
         get_variant(self.variant)
         if self.netns not in ("auto", "on", "off"):
             raise InvalidInput(f"netns: expected auto, on or off, got {self.netns!r}")
-        for name, low in (("gpu_workers", 0), ("cpu_workers", 0), ("tenants", 1)):
+        for name, low in (
+            ("gpu_workers", 0),
+            ("cpu_workers", 0),
+            ("tenants", 1),
+            ("token_db_pool_size", 1),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise InvalidInput(f"{name}: expected an integer >= {low}, got {value!r}")
@@ -143,3 +154,5 @@ class StackConfig:
         for name in ("gpu_load_s", "cpu_load_s", "restart_delay_s", "token_db_latency_ms"):
             if getattr(self, name) < 0:
                 raise InvalidInput(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if self.first_load_s is not None and self.first_load_s < 0:
+            raise InvalidInput(f"first_load_s: expected >= 0, got {self.first_load_s}")

@@ -66,7 +66,10 @@ class EngineProfile:
     decode_ms_per_seq: float = 0.04
     """Extra step cost per decoding sequence (batch size grows the step): 21 ms at 256."""
     load_s: float = 3.0
-    """Model-load time at every start; /healthz answers 503 `loading` meanwhile."""
+    """Model-load time at every restart; /healthz answers 503 `loading` meanwhile."""
+    first_load_s: float | None = None
+    """Model-load time at the first start; None: `load_s`. A chaos run sets it short so the
+    stack comes up fast, while a killed worker still takes the full `load_s` to come back."""
     gpu_memory_mib: int = 40_960
     """Memory the process shows in /gpu/processes (nvidia-smi `used_memory`)."""
 

@@ -61,6 +61,7 @@ from llmchaos.stack.topology import (
 __all__ = [
     "WORKER_PORT",
     "live_status",
+    "node_layout",
     "restart_gateway",
     "start_gateway",
     "start_stack",
@@ -182,6 +183,7 @@ def _start(
         redis_url=f"redis://127.0.0.1:{redis_port}/0",
         token_db_path=str(token_db),
         token_db_latency_ms=config.token_db_latency_ms,
+        token_db_pool_size=config.token_db_pool_size,
         queue_shed_threshold=config.queue_shed_threshold,
     )
     roles = ["primary", "backup"] if variant.backup_gateway else ["primary"]
@@ -229,8 +231,10 @@ def _start(
     )
 
 
-def _node_names(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
-    """[(node, [(worker, mode), ...]), ...]: one GPU worker per node, then the CPU node."""
+def node_layout(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
+    """[(node, [(worker, mode), ...]), ...]: one GPU worker per node, then the CPU node.
+
+    Known before anything starts, so experiments can be checked against it first."""
     letters = "abcdefghijklmnopqrstuvwxyz"
     layout = [(f"node-{letters[i]}", [(f"gpu-{i}", "gpu")]) for i in range(config.gpu_workers)]
     if config.cpu_workers:
@@ -249,7 +253,7 @@ def _start_nodes(
     subnet = netns.pick_subnet() if with_netns else None
     short_id = stack_id[-4:]
     nodes = []
-    for index, (node, workers) in enumerate(_node_names(config)):
+    for index, (node, workers) in enumerate(node_layout(config)):
         net = None
         if subnet is not None:
             net = netns.create_node_network(short_id, index, node, subnet)
@@ -266,7 +270,13 @@ def _start_nodes(
                 host=address,
                 port=port,
                 model=config.model,
-                profile=replace(base, load_s=load_s),
+                profile=replace(
+                    base,
+                    load_s=load_s,
+                    first_load_s=None
+                    if config.first_load_s is None
+                    else min(config.first_load_s, load_s),
+                ),
             )
             settings_path = write_settings(settings, state_dir / f"worker-{name}.json")
             infos.append(

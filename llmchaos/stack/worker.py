@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -446,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: exit 0 after a signal, 2 for bad settings, 1 when the stack part fails."""
     parser = argparse.ArgumentParser(prog="python -m llmchaos.stack.worker")
     parser.add_argument("--settings", required=True, type=Path, help="WorkerSettings JSON")
+    parser.add_argument(
+        "--restart", action="store_true", help="started again after a death: full model load"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -454,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(WorkerSettings, args.settings)
         check_profile(settings.profile)
+        if not args.restart and settings.profile.first_load_s is not None:
+            profile = dataclasses.replace(settings.profile, load_s=settings.profile.first_load_s)
+            settings = dataclasses.replace(settings, profile=profile)
     except InvalidInput as exc:
         print(f"llmchaos worker: {exc}", file=sys.stderr)
         return 2
