@@ -1,0 +1,11 @@
+"""Chaos Toolkit probes of llmchaos: thin entry points over `llmchaos.measure`.
+
+    probes.slo          p99_latency_ms, ttft_p99_ms, error_rate, frame_drops, achieved_qps,
+                        worst_p99_ms_since_fault      (client side: the open-loop load)
+    probes.target       queue_depth, serving_mode_share, healthy_workers   (target side)
+    probes.recovery     recovery_time_s               (waits; its tolerance is the SLA)
+    probes.tolerances   at_most, at_least             (tolerances that read configuration)
+
+They need the `llmchaos.control` control declared in the experiment (it starts the target and
+the load they measure).
+"""

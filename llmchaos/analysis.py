@@ -1,0 +1,272 @@
+"""Recovery and fault impact, computed from the load's per-second records.
+
+Vocabulary (DESIGN.md):
+
+- fault time t0: the moment the (last) fault's action started;
+- a window: `window_s` consecutive scheduled seconds; it *meets the SLO* when all its requests
+  are settled (answered, timed out or dropped), at least one was answered, its P99 latency is
+  at most `p99_ms` and its error rate at most `error_rate`. The error rate counts the SLO's
+  failure classes plus dropped sends, over answered plus dropped;
+- detection: the end of the first window after t0 that misses the SLO;
+- recovered at t1: the service holds the SLO from t1 on, for `stable_for_s`: the first run of
+  `stable_for_s` consecutive windows (one ending at each second) that all meet the SLO, and t1
+  is the start of the first window of that run — the moment from which the requests were
+  fine again. recovery time = t1 - t0, never negative; 0 when no window after the fault
+  missed the SLO before the run started.
+
+Windows are keyed by the second a request was *scheduled* in (open-loop load), so a request
+that waited out a stall counts where it was due, not where it finished.
+
+Pure functions over plain data: the recovery probe feeds them live records, the report the
+timeline file, the tests synthetic timelines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmchaos.load.histogram import LogHistogram
+
+__all__ = [
+    "FaultImpact",
+    "Recovery",
+    "SecondRecord",
+    "Slo",
+    "WindowVerdict",
+    "fault_impact",
+    "read_timeline",
+    "recovery",
+    "rolling_windows",
+]
+
+
+@dataclass(frozen=True)
+class Slo:
+    """What a window must meet."""
+
+    p99_ms: float
+    error_rate: float
+    error_classes: tuple[str, ...] = ("5xx", "429", "timeout", "connection", "bad_body")
+
+
+@dataclass
+class SecondRecord:
+    """The requests scheduled in one second (a timeline line, or an item of the live /seconds)."""
+
+    ts: int
+    """Epoch second the requests were scheduled in."""
+    scheduled: int = 0
+    ok: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+    dropped: int = 0
+    unanswered: int = 0
+    """Still in flight when the record was read (0 in a finished timeline)."""
+    modes: dict[str, int] = field(default_factory=dict)
+    latency: LogHistogram = field(default_factory=LogHistogram)
+
+    @property
+    def answered(self) -> int:
+        return self.ok + sum(self.failed.values())
+
+    @classmethod
+    def from_line(cls, line: dict[str, Any]) -> SecondRecord:
+        """From a timeline line or a /seconds item (extra keys are ignored)."""
+        hist = line.get("hist", {}).get("latency_ms")
+        return cls(
+            ts=math.floor(float(line["ts"]) + 1e-6),
+            scheduled=int(line.get("scheduled", 0)),
+            ok=int(line.get("ok", 0)),
+            failed={str(k): int(v) for k, v in line.get("failed", {}).items()},
+            dropped=int(line.get("dropped", 0)),
+            unanswered=int(line.get("unanswered", 0)),
+            modes={str(k): int(v) for k, v in line.get("modes", {}).items()},
+            latency=LogHistogram.from_json(hist) if hist else LogHistogram(),
+        )
+
+
+def read_timeline(path: Path) -> list[SecondRecord]:
+    """Records of a JSON-lines timeline file; a last line cut off by a kill is skipped."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and "ts" in data:
+            records.append(SecondRecord.from_line(data))
+    return records
+
+
+@dataclass(frozen=True)
+class WindowVerdict:
+    """One rolling window, ending with the second that starts at `end_ts - 1`."""
+
+    start_ts: int
+    end_ts: int
+    """Exclusive end (epoch seconds)."""
+    answered: int
+    p99_ms: float | None
+    error_rate: float
+    settled: bool
+    meets_slo: bool
+
+
+def _dense(records: Iterable[SecondRecord]) -> list[SecondRecord]:
+    """One record per second from the first to the last, empty seconds filled in."""
+    by_ts = {r.ts: r for r in records}
+    if not by_ts:
+        return []
+    first, last = min(by_ts), max(by_ts)
+    return [by_ts.get(ts) or SecondRecord(ts=ts) for ts in range(first, last + 1)]
+
+
+def _failures(record: SecondRecord, slo: Slo) -> int:
+    return sum(n for cls, n in record.failed.items() if cls in slo.error_classes)
+
+
+def rolling_windows(
+    records: Sequence[SecondRecord], slo: Slo, window_s: float, now_ts: float | None = None
+) -> list[WindowVerdict]:
+    """One verdict per second: the window of `window_s` seconds ending with it.
+
+    With `now_ts` (live data), seconds that ended less than 2 s before it count as unsettled,
+    since reports of other load workers may still add requests to them.
+    """
+    seconds = _dense(records)
+    width = max(1, round(window_s))
+    out = []
+    for i, last in enumerate(seconds):
+        part = seconds[max(0, i - width + 1) : i + 1]
+        answered = sum(r.answered for r in part)
+        dropped = sum(r.dropped for r in part)
+        failures = sum(_failures(r, slo) for r in part) + dropped
+        error_rate = failures / (answered + dropped) if answered + dropped else 0.0
+        p99 = LogHistogram.merged(r.latency for r in part).quantile(0.99)
+        settled = all(r.unanswered == 0 for r in part) and (
+            now_ts is None or last.ts + 1 <= now_ts - 2.0
+        )
+        meets = (
+            settled
+            and answered > 0
+            and p99 is not None
+            and p99 <= slo.p99_ms
+            and error_rate <= slo.error_rate
+        )
+        out.append(
+            WindowVerdict(
+                start_ts=part[0].ts,
+                end_ts=last.ts + 1,
+                answered=answered,
+                p99_ms=None if p99 is None else round(p99, 2),
+                error_rate=round(error_rate, 5),
+                settled=settled,
+                meets_slo=meets,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """When the service held its SLO again after a fault."""
+
+    fault_ts: float
+    recovered: bool
+    recovery_time_s: float | None
+    """t1 - t0 in seconds; None when not (yet) recovered."""
+    recovered_at_ts: float | None
+    """t1: start of the first window of the stable run."""
+    detected_at_ts: float | None
+    """End of the first window after the fault that missed the SLO; None if none did."""
+    judged_until_ts: float | None
+    """End of the last settled window looked at."""
+
+
+def recovery(
+    records: Sequence[SecondRecord],
+    fault_ts: float,
+    slo: Slo,
+    *,
+    window_s: float = 5.0,
+    stable_for_s: float = 10.0,
+    now_ts: float | None = None,
+) -> Recovery:
+    """Recovery after the fault at `fault_ts`; see the module docstring for the definition."""
+    windows = [
+        w
+        for w in rolling_windows(records, slo, window_s, now_ts)
+        if w.end_ts - 1 >= math.floor(fault_ts)
+    ]
+    needed = max(1, math.ceil(stable_for_s))
+    run_start: int | None = None
+    detected: float | None = None
+    judged_until: float | None = None
+    for index, window in enumerate(windows):
+        if not window.settled:
+            break
+        judged_until = window.end_ts
+        if not window.meets_slo:
+            run_start = None
+            if detected is None:
+                detected = window.end_ts
+            continue
+        if run_start is None:
+            run_start = index
+        if index - run_start + 1 >= needed:
+            if detected is None:
+                return Recovery(fault_ts, True, 0.0, fault_ts, None, judged_until)
+            t1 = max(float(windows[run_start].start_ts), fault_ts)
+            return Recovery(fault_ts, True, round(t1 - fault_ts, 3), t1, detected, judged_until)
+    return Recovery(fault_ts, False, None, None, detected, judged_until)
+
+
+@dataclass(frozen=True)
+class FaultImpact:
+    """What the fault cost, from the fault to the end of the records."""
+
+    worst_p99_ms: float | None
+    """Highest P99 of a rolling window after the fault."""
+    peak_error_rate: float
+    """Highest error rate of a rolling window after the fault."""
+    failed_requests: int
+    """Failures (SLO classes) plus dropped sends scheduled from the fault until recovery (or
+    the end): the error budget the fault burned."""
+    cpu_mode_s: int
+    """Seconds after the fault in which most answers came from CPU workers."""
+    cpu_answers: int
+    """Answers served by CPU workers after the fault."""
+    gpu_return_s: float | None
+    """From the fault until the end of the last CPU-mode second: when traffic was back on
+    GPU. None when the service never served mostly from CPU."""
+
+
+def fault_impact(
+    records: Sequence[SecondRecord],
+    fault_ts: float,
+    slo: Slo,
+    *,
+    window_s: float = 5.0,
+    until_ts: float | None = None,
+) -> FaultImpact:
+    """Impact of the fault at `fault_ts`; failures are counted up to `until_ts` (recovery)."""
+    first = math.floor(fault_ts)
+    after = [r for r in _dense(records) if r.ts >= first]
+    windows = [w for w in rolling_windows(records, slo, window_s) if w.end_ts - 1 >= first]
+    p99s = [w.p99_ms for w in windows if w.p99_ms is not None]
+    failed = sum(
+        _failures(r, slo) + r.dropped for r in after if until_ts is None or r.ts < until_ts
+    )
+    cpu_seconds = [r.ts for r in after if r.modes.get("cpu", 0) * 2 > sum(r.modes.values()) > 0]
+    return FaultImpact(
+        worst_p99_ms=max(p99s) if p99s else None,
+        peak_error_rate=max((w.error_rate for w in windows), default=0.0),
+        failed_requests=failed,
+        cpu_mode_s=len(cpu_seconds),
+        cpu_answers=sum(r.modes.get("cpu", 0) for r in after),
+        gpu_return_s=round(cpu_seconds[-1] + 1 - fault_ts, 3) if cpu_seconds else None,
+    )

@@ -1,0 +1,204 @@
+"""The embedded reference stack as a chaos target: real processes, namespaces and Redis.
+
+    backend = EmbeddedBackend.start(StackConfig(...))   # or EmbeddedBackend(topology)
+    backend.kill_gpu_process("gpu-0"); backend.partition_node("node-a"); ...
+    backend.stop()
+
+The topology is read again from disk for every operation: restoring a gateway changes its
+pid, and the topology file is where that is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmchaos.backends import Backend, TargetInfo, WorkerRef
+from llmchaos.errors import InvalidInput, StackError
+from llmchaos.stack import netns
+from llmchaos.stack.config import StackConfig, get_variant
+from llmchaos.stack.procs import http_get_status, pid_alive
+from llmchaos.stack.stack import node_layout, restart_gateway, start_stack, stop_stack, use_netns
+from llmchaos.stack.topology import Topology
+
+__all__ = ["EmbeddedBackend"]
+
+_READ_TIMEOUT_S = 0.5
+"""Timeout of one metrics or health read: a partitioned node must not stall a probe."""
+
+
+class EmbeddedBackend(Backend):
+    """A running embedded stack, known by its state folder."""
+
+    def __init__(self, topology: Topology) -> None:
+        self._state_dir = Path(topology.state_dir)
+        self._topology = topology
+
+    @classmethod
+    def start(cls, config: StackConfig, *, progress: bool = True) -> EmbeddedBackend:
+        """Start a stack (see llmchaos.stack.stack.start_stack for what can be raised)."""
+        return cls(start_stack(config, progress=progress))
+
+    @staticmethod
+    def planned_info(config: StackConfig) -> TargetInfo:
+        """The names a stack started from `config` will have, known before starting it."""
+        roles = (
+            ("primary", "backup") if get_variant(config.variant).backup_gateway else ("primary",)
+        )
+        return TargetInfo(
+            nodes=tuple(node for node, _ in node_layout(config)),
+            workers=tuple(
+                WorkerRef(worker, mode, node)
+                for node, workers in node_layout(config)
+                for worker, mode in workers
+            ),
+            gateways=tuple(f"gateway-{role}" for role in roles),
+            partitions_supported=use_netns(config),
+        )
+
+    def stop(self) -> None:
+        """Stop the whole stack; safe to call twice."""
+        stop_stack(self.topology)
+
+    @property
+    def topology(self) -> Topology:
+        """The stack as last written to disk (gateway pids change on restore)."""
+        # state folder gone: keep the last one read
+        with contextlib.suppress(InvalidInput):
+            self._topology = Topology.load(self._state_dir)
+        return self._topology
+
+    def info(self) -> TargetInfo:
+        topology = self._topology
+        return TargetInfo(
+            nodes=tuple(n.name for n in topology.nodes),
+            workers=tuple(
+                WorkerRef(w.name, w.mode, n.name) for n in topology.nodes for w in n.workers
+            ),
+            gateways=tuple(g.name for g in topology.gateways),
+            partitions_supported=all(n.netns for n in topology.nodes),
+        )
+
+    @property
+    def gateway_url(self) -> str:
+        return self._topology.gateway_url
+
+    @property
+    def tokens_file(self) -> str | None:
+        return self._topology.tokens_file
+
+    # -- faults --------------------------------------------------------------------------
+    def kill_gpu_process(self, worker: str) -> dict[str, Any]:
+        """Read the pid holding the worker's GPU from its /gpu/processes, then SIGKILL it.
+
+        Raises StackError when the worker does not answer (dead, loading, partitioned).
+        """
+        url = self.topology.worker(worker).url + "/gpu/processes"
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as response:
+                processes = json.loads(response.read())
+        except (OSError, ValueError) as exc:
+            raise StackError(f"{worker}: cannot read {url}: {exc}") from None
+        if not isinstance(processes, list) or not processes:
+            raise StackError(f"{worker}: no process holds its GPU ({url} lists none)")
+        pid = int(processes[0]["pid"])
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            raise StackError(f"{worker}: GPU process {pid} was already gone") from None
+        return {"worker": worker, "pid": pid, "process_name": processes[0].get("process_name")}
+
+    def _netns_of(self, node: str) -> str:
+        name = self.topology.node(node).netns
+        if not name:
+            raise InvalidInput(
+                f"node {node!r} is not a network namespace: partitions need root (netns auto or on)"
+            )
+        return name
+
+    def partition_node(self, node: str) -> None:
+        netns.partition_namespace(self._netns_of(node))
+
+    def heal_partition(self, node: str) -> None:
+        namespace = self.topology.node(node).netns
+        if namespace and namespace in netns.list_namespaces():
+            netns.heal_partition(namespace)
+
+    def crash_gateway(self, gateway: str) -> dict[str, Any]:
+        info = self._gateway(gateway)
+        if not pid_alive(info.pid):
+            raise StackError(f"{gateway} is not running (pid {info.pid})")
+        os.kill(info.pid, signal.SIGKILL)
+        return {"gateway": gateway, "pid": info.pid}
+
+    def restore_gateway(self, gateway: str) -> None:
+        restart_gateway(self.topology, self._gateway(gateway).name)
+
+    def _gateway(self, name: str) -> Any:
+        for gateway in self.topology.gateways:
+            if gateway.name == name:
+                return gateway
+        raise InvalidInput(f"gateway: unknown gateway {name!r}")
+
+    def expire_token_cache(self, ttl_s: float) -> int:
+        import redis
+
+        client = redis.Redis.from_url(self.topology.redis_url, socket_timeout=5.0)
+        try:
+            keys = list(client.scan_iter("token:*", count=1000))
+            if not keys:
+                return 0
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                if ttl_s > 0:
+                    pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+                else:
+                    pipe.delete(key)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise StackError(f"token cache {self.topology.redis_url}: {exc}") from None
+        finally:
+            client.close()
+        return len(keys)
+
+    # -- readings ------------------------------------------------------------------------
+    def queue_depth(self) -> float:
+        """Sum of vllm:num_requests_waiting over the workers that answer (a dead worker holds
+        no queue; a partitioned one is unknown and left out)."""
+        total = 0.0
+        for node in self._topology.nodes:
+            for worker in node.workers:
+                total += _metric(worker.url + "/metrics", "vllm:num_requests_waiting")
+        return total
+
+    def healthy_workers(self, mode: str = "") -> int:
+        return sum(
+            1
+            for node in self._topology.nodes
+            for worker in node.workers
+            if (not mode or worker.mode == mode)
+            and http_get_status(worker.url + "/healthz", _READ_TIMEOUT_S) == 200
+        )
+
+
+def _metric(url: str, name: str) -> float:
+    """Sum of the samples of gauge `name` at `url`; 0 when the endpoint does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=_READ_TIMEOUT_S) as response:
+            text = response.read().decode()
+    except (OSError, urllib.error.URLError):
+        return 0.0
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                total += sample.value
+    return total

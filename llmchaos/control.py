@@ -1,0 +1,267 @@
+"""The Chaos Toolkit control of llmchaos: target, load, guard and cleanup around an experiment.
+
+Declare it once in the experiment:
+
+    "controls": [{"name": "llmchaos",
+                  "provider": {"type": "python", "module": "llmchaos.control",
+                               "arguments": {"name": "gpu_kill"}}}]
+
+- before the experiment: build RunSettings from the configuration and environment, check the
+  whole experiment against the target (nothing starts when something is wrong: the run is
+  interrupted with a message naming the field), open the run folder, start the embedded
+  stack, start the load, warm up, start the safety guard;
+- after the steady-state hypothesis: if it was not met *before* the method, interrupt the run
+  (Chaos Toolkit would skip the method and exit 0);
+- after the experiment (and in cleanup_control, whatever happened): undo every fault left in
+  the ledger, stop the load, write the report, stop the stack, print the summary.
+
+SIGTERM is turned into KeyboardInterrupt for the run (Chaos Toolkit's own handler raises an
+exception that a running probe would swallow), so SIGINT and SIGTERM both interrupt the
+experiment, roll back and come here. While the run is being undone and stopped, further
+SIGINT/SIGTERM are noted and ignored, so the cleanup itself is not cut short.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from chaoslib.exceptions import InterruptExecution
+
+from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.report import RunFacts, write_run_report
+from llmchaos.run import ChaosRun, planned_target
+from llmchaos.settings import RunSettings
+from llmchaos.validation import check_experiment
+
+__all__ = [
+    "after_experiment_control",
+    "after_hypothesis_control",
+    "before_experiment_control",
+    "before_method_control",
+    "cleanup_control",
+]
+
+log = logging.getLogger("chaostoolkit")
+
+_GUARD_POLL_S = 1.0
+
+
+class _Session:
+    """The control's state between hooks (Chaos Toolkit calls plain functions)."""
+
+    def __init__(self) -> None:
+        self.run: ChaosRun | None = None
+        self.started_at = time.time()
+        self.method_started = False
+        self.guard_stop = threading.Event()
+        self.guard_thread: threading.Thread | None = None
+        self.saved_handlers: dict[int, Any] = {}
+
+
+_session: _Session | None = None
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _hold_signals(signum: int, _frame: FrameType | None) -> None:
+    log.warning(
+        "llmchaos: %s received while undoing faults and stopping the run; finishing cleanup "
+        "first (kill -9 and `llmchaos cleanup` if it hangs)",
+        signal.Signals(signum).name,
+    )
+
+
+def _set_signals(handler: Any) -> None:
+    if threading.current_thread() is not threading.main_thread() or _session is None:
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.signal(sig, handler)
+        _session.saved_handlers.setdefault(sig, previous)
+
+
+def _restore_signals() -> None:
+    if threading.current_thread() is not threading.main_thread() or _session is None:
+        return
+    for sig, handler in _session.saved_handlers.items():
+        signal.signal(sig, handler)
+    _session.saved_handlers.clear()
+
+
+def before_experiment_control(
+    context: dict[str, Any],
+    configuration: dict[str, Any] | None = None,
+    secrets: dict[str, Any] | None = None,
+    name: str = "",
+    **kwargs: Any,
+) -> None:
+    """Check everything, then start the target, the load and the guard (see module doc)."""
+    global _session
+    _session = _Session()
+    title = str(context.get("title", "experiment"))
+    try:
+        settings = RunSettings.from_configuration(configuration)
+        problems = check_experiment(context, dict(configuration or {}), planned_target(settings))
+        if problems:
+            raise InvalidInput("the experiment is invalid:\n  " + "\n  ".join(problems))
+    except InvalidInput as exc:
+        _session = None
+        raise InterruptExecution(f"llmchaos: {exc}") from None
+    run = ChaosRun.open(settings, name or title, title)
+    _session.run = run
+    if (context.get("runtime") or {}).get("rollbacks", {}).get("strategy") != "always":
+        run.notes.append(
+            "runtime.rollbacks.strategy is not 'always': an interrupted run skips the "
+            "experiment's rollbacks (this control still undoes every fault in the ledger)"
+        )
+    _set_signals(_interrupt)
+    try:
+        run.start_target()
+        run.start_load()
+        run.warm_up()
+    except LLMChaosError as exc:
+        raise InterruptExecution(f"llmchaos: could not start the run: {exc}") from None
+    _start_guard(run)
+
+
+def after_hypothesis_control(
+    context: dict[str, Any], state: dict[str, Any] | None = None, **kwargs: Any
+) -> None:
+    """Before the method, an unmet steady state interrupts the run (a failure, exit 1)."""
+    if _session is None or _session.method_started or not state:
+        return
+    if state.get("steady_state_met") is False:
+        for probe in state.get("probes", []):
+            if not probe.get("tolerance_met", True) or probe.get("status") == "failed":
+                what = probe.get("activity", {}).get("name", "?")
+                raise InterruptExecution(
+                    f"llmchaos: steady state not met before the method ({what} = "
+                    f"{probe.get('output')!r}): the target is not healthy, so no fault is "
+                    "injected and the run fails"
+                )
+        raise InterruptExecution("llmchaos: steady state not met before the method")
+
+
+def before_method_control(context: dict[str, Any], **kwargs: Any) -> None:
+    if _session is not None:
+        _session.method_started = True
+        if _session.run is not None:
+            _session.run.method_started_ts = time.time()
+
+
+def after_experiment_control(
+    context: dict[str, Any], state: dict[str, Any] | None = None, **kwargs: Any
+) -> None:
+    """Undo, stop, report (see module doc)."""
+    _finish(state)
+
+
+def cleanup_control(**kwargs: Any) -> None:
+    """Last resort: finish a run that after_experiment_control did not (it always runs)."""
+    _finish(None)
+
+
+def _finish(journal: dict[str, Any] | None) -> None:
+    global _session
+    session = _session
+    if session is None:
+        return
+    _session = None
+    run = session.run
+    _set_signals(_hold_signals)
+    try:
+        session.guard_stop.set()
+        if run is not None and not run.finished:
+            _finish_run(run, journal, session.started_at)
+    finally:
+        if run is not None and not run.finished:
+            run.close("failed")
+        _restore_signals()
+
+
+def _finish_run(run: ChaosRun, journal: dict[str, Any] | None, started_at: float) -> None:
+    status = "finished"
+    try:
+        run.undo_faults(by="control")
+        frame_drops = None
+        first_fault = min((f.at for f in run.faults()), default=None)
+        if run.load is not None and run.load.running and first_fault is not None:
+            try:
+                frame_drops = int(run.load.window(since_ts=first_fault)["frame_drops"])
+            except LLMChaosError:
+                frame_drops = None
+        summary = run.stop_load()
+        result = write_run_report(
+            RunFacts(
+                name=run.name,
+                title=run.title,
+                run_dir=run.run_dir,
+                settings=run.settings,
+                qps_run=run.settings.effective_qps,
+                faults=run.faults(),
+                load_start_ts=run.load_start_ts,
+                timeline_path=run.load.timeline_path if run.load else None,
+                load_summary=summary.to_dict() if summary else None,
+                frame_drops_since_fault=frame_drops,
+                guard=run.aborted_by_guard,
+                notes=run.notes,
+                started_at=started_at,
+            ),
+            journal,
+        )
+        print(f"\nllmchaos summary\n{result.table()}\n", flush=True)
+    except Exception:
+        status = "failed"
+        log.exception("llmchaos: finishing the run failed; stopping the target anyway")
+    finally:
+        try:
+            run.stop_target()
+        finally:
+            run.close(status)
+
+
+def _start_guard(run: ChaosRun) -> None:
+    assert _session is not None
+    stop = _session.guard_stop
+    thread = threading.Thread(target=_guard, args=(run, stop), name="llmchaos-guard", daemon=True)
+    _session.guard_thread = thread
+    thread.start()
+
+
+def _guard(run: ChaosRun, stop: threading.Event) -> None:
+    """Abort the run when the error rate stays above the limit for too long."""
+    s = run.settings
+    above_since: float | None = None
+    while not stop.wait(_GUARD_POLL_S):
+        try:
+            window = run.traffic.window(last_s=s.window_s)
+        except LLMChaosError:
+            continue
+        answered = window["ok"] + sum(window["failed"].values()) + window["dropped"]
+        failures = window["dropped"] + sum(
+            n for cls, n in window["failed"].items() if cls in s.error_classes
+        )
+        rate = failures / answered if answered else 0.0
+        now = time.time()
+        if rate <= s.guard_error_rate:
+            above_since = None
+            continue
+        above_since = above_since or now
+        if now - above_since >= s.guard_for_s:
+            reason = (
+                f"error rate above {s.guard_error_rate:.0%} for {s.guard_for_s:g} s "
+                f"(last window {rate:.0%}): faults undone, run aborted"
+            )
+            log.critical("llmchaos: safety guard: %s", reason)
+            run.aborted_by_guard = reason
+            run.undo_faults(by="guard")
+            # SIGUSR1 is Chaos Toolkit's "stop now, gracefully" (rollbacks still run)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            return

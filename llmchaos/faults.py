@@ -1,0 +1,116 @@
+"""Faults of a chaos run: what the actions do. Each is written to the ledger before it acts.
+
+Selectors are checked against the target's names before anything is touched (InvalidInput
+names the argument and the known values). A fault with an undo gets one ledger entry per
+thing it hits, so a half-done action is undone exactly as far as it went.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmchaos.errors import InvalidInput
+from llmchaos.ledger import Undo
+from llmchaos.run import ChaosRun
+
+__all__ = [
+    "crash_gateway",
+    "expire_token_cache",
+    "heal_partition",
+    "inject_burst",
+    "kill_gpu_process",
+    "partition_node",
+    "restore_gateway",
+    "set_qps",
+]
+
+
+def kill_gpu_process(run: ChaosRun, worker: str = "", node: str = "") -> list[dict[str, Any]]:
+    """SIGKILL the process holding the GPU of `worker` ("*" = every GPU worker) or of every
+    GPU worker on `node`. Nothing to undo: the node agent (kubelet) restarts it. Returns
+    [{"worker", "pid", ...}]."""
+    names = run.target.info().gpu_workers(worker, node)
+    killed = []
+    with run.fault("kill_gpu_process", ",".join(names), None) as details:
+        for name in names:
+            killed.append(run.target.kill_gpu_process(name))
+            details["killed"] = killed
+    return killed
+
+
+def partition_node(run: ChaosRun, node: str) -> str:
+    """Drop every packet in and out of `node` until heal_partition (or the run's end)."""
+    info = run.target.info()
+    info.check_node(node)
+    if not info.partitions_supported:
+        raise InvalidInput(
+            "partition_node: nodes are not network namespaces here (run as root, netns auto)"
+        )
+    with run.fault("partition_node", node, Undo("heal_partition", {"node": node})):
+        run.target.partition_node(node)
+    return node
+
+
+def heal_partition(run: ChaosRun, node: str) -> str:
+    """Let `node`'s traffic through again (idempotent)."""
+    run.target.info().check_node(node)
+    run.target.heal_partition(node)
+    run.ledger.close_matching(Undo("heal_partition", {"node": node}), by="heal_partition")
+    return node
+
+
+def crash_gateway(run: ChaosRun, gateway: str = "primary") -> list[str]:
+    """Kill gateway processes at once (SIGKILL): "primary", "all" or a gateway name. They stay
+    down until restore_gateway (or the run's end). Returns the names."""
+    names = run.target.info().gateway_names(gateway)
+    for name in names:
+        with run.fault("crash_gateway", name, Undo("restore_gateway", {"gateway": name})) as d:
+            d.update(run.target.crash_gateway(name))
+    return names
+
+
+def restore_gateway(run: ChaosRun, gateway: str = "all") -> list[str]:
+    """Start crashed gateways again and wait for them (idempotent)."""
+    names = run.target.info().gateway_names(gateway)
+    for name in names:
+        undo = Undo("restore_gateway", {"gateway": name})
+        run.target.restore_gateway(name)
+        run.ledger.close_matching(undo, by="restore_gateway")
+    return names
+
+
+def expire_token_cache(run: ChaosRun, ttl_s: float = 0.0) -> int:
+    """Delete every cached token (ttl_s = 0), or make them all expire in `ttl_s` seconds (the
+    synchronized expiry of a fixed TTL after a mass token refresh). Nothing to undo: the
+    cache refills. Returns the number of keys touched."""
+    if ttl_s < 0:
+        raise InvalidInput(f"ttl_s: expected seconds >= 0, got {ttl_s}")
+    with run.fault("expire_token_cache", "token:*", None) as details:
+        details["keys"] = run.target.expire_token_cache(ttl_s)
+    return int(details["keys"])
+
+
+def set_qps(run: ChaosRun, qps: float) -> float:
+    """Change the load's total rate from now on; undone (back to the previous rate) at the
+    run's end. Returns the previous rate."""
+    if not qps > 0:
+        raise InvalidInput(f"qps: expected a rate > 0, got {qps!r}")
+    previous = run.current_qps
+    with run.fault(
+        "set_qps", f"load {previous:g}->{qps:g} QPS", Undo("set_qps", {"qps": previous})
+    ):
+        run.traffic.set_qps(qps)
+        run.current_qps = qps
+    return previous
+
+
+def inject_burst(run: ChaosRun, duration_s: float = 10.0, factor: float = 1.0) -> float:
+    """One burst starting now: `factor` x the base rate on top for `duration_s` (ends by
+    itself). Returns the extra QPS at the start."""
+    if not duration_s > 0 or not factor > 0:
+        raise InvalidInput(
+            f"inject_burst: expected duration_s > 0 and factor > 0, got {duration_s!r}, {factor!r}"
+        )
+    with run.fault("inject_burst", f"load x{1 + factor:g} for {duration_s:g} s", None):
+        run.traffic.inject_burst(duration_s=duration_s, factor=factor)
+    return run.current_qps * factor

@@ -1,0 +1,194 @@
+"""The fault ledger: every fault is written to disk before it is injected, with what undoes it.
+
+One JSON object per line in `<run folder>/ledger.jsonl`, appended and fsynced:
+
+    {"event": "inject", "id": 1, "at": 1733200000.1, "fault": "partition_node",
+     "target": "node-a", "undo": {"op": "heal_partition", "args": {"node": "node-a"}}}
+    {"event": "injected", "id": 1, "at": ...}                    # the action went through
+    {"event": "failed", "id": 1, "at": ..., "error": "..."}      # it raised (may be half done)
+    {"event": "undone", "id": 1, "at": ..., "by": "rollback"}    # its undo ran
+
+A fault is open from its `inject` line until an `undone` line, whatever happened in between:
+an action that failed half-way may still have changed something, so its undo runs too. Undo
+operations are idempotent (healing a healed node is a no-op), so undoing twice is harmless.
+Faults without an undo (a killed process that its node agent restarts) are never open.
+
+Reading is tolerant of a last line cut off by a kill: it is skipped, not fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmchaos.errors import LLMChaosError
+
+__all__ = ["LEDGER_FILE", "FaultEntry", "FaultLedger", "Undo"]
+
+LEDGER_FILE = "ledger.jsonl"
+
+
+@dataclass(frozen=True)
+class Undo:
+    """A backend operation that reverses a fault, with its arguments (JSON values)."""
+
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FaultEntry:
+    """One fault as the ledger knows it."""
+
+    id: int
+    fault: str
+    """The action that injected it (kill_gpu_process, partition_node, ...)."""
+    target: str
+    """What it hit (a worker, a node, a gateway, the token cache, the load)."""
+    at: float
+    """Epoch seconds when the action started: the fault time t0."""
+    undo: Undo | None
+    state: str = "inject"
+    """inject (written, action not finished), injected, failed, undone."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """What the action reported (pids killed, keys expired, ...)."""
+    error: str | None = None
+
+    @property
+    def open(self) -> bool:
+        """Still to be undone."""
+        return self.undo is not None and self.state != "undone"
+
+
+class FaultLedger:
+    """The ledger file of one run; safe to use from several threads of one process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def _append(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, sort_keys=True) + "\n"
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def entries(self) -> list[FaultEntry]:
+        """All faults, in injection order."""
+        faults: dict[int, FaultEntry] = {}
+        for record in self._records():
+            fault_id = record.get("id")
+            if not isinstance(fault_id, int):
+                continue
+            event = record.get("event")
+            if event == "inject":
+                undo = record.get("undo")
+                faults[fault_id] = FaultEntry(
+                    id=fault_id,
+                    fault=str(record.get("fault")),
+                    target=str(record.get("target")),
+                    at=float(record.get("at", 0.0)),
+                    undo=Undo(undo["op"], dict(undo.get("args", {}))) if undo else None,
+                )
+            elif fault_id in faults and event in ("injected", "failed", "undone"):
+                entry = faults[fault_id]
+                entry.state = str(event)
+                entry.details.update(record.get("details") or {})
+                entry.error = record.get("error", entry.error)
+        return list(faults.values())
+
+    def _records(self) -> Iterator[dict[str, Any]]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut off by a kill
+            if isinstance(record, dict):
+                yield record
+
+    def open_faults(self) -> list[FaultEntry]:
+        """Faults still to be undone, most recent first (the order to undo them in)."""
+        return [e for e in reversed(self.entries()) if e.open]
+
+    def last_fault_at(self) -> float | None:
+        """Epoch seconds of the most recent fault, None before the first."""
+        entries = self.entries()
+        return max((e.at for e in entries), default=None)
+
+    @contextmanager
+    def inject(self, fault: str, target: str, undo: Undo | None) -> Iterator[dict[str, Any]]:
+        """Record a fault, then let the caller inject it.
+
+        The `inject` line is on disk before the body runs. The body may fill the yielded
+        dict with details (pids, keys); they are recorded with the outcome. An exception in
+        the body is recorded as `failed` and raised again.
+        """
+        fault_id = len(self.entries()) + 1
+        self._append(
+            {
+                "event": "inject",
+                "id": fault_id,
+                "at": time.time(),
+                "fault": fault,
+                "target": target,
+                "undo": {"op": undo.op, "args": undo.args} if undo else None,
+            }
+        )
+        details: dict[str, Any] = {}
+        try:
+            yield details
+        except BaseException as exc:
+            self._append(
+                {
+                    "event": "failed",
+                    "id": fault_id,
+                    "at": time.time(),
+                    "details": details,
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
+            raise
+        self._append({"event": "injected", "id": fault_id, "at": time.time(), "details": details})
+
+    def mark_undone(self, fault_id: int, by: str) -> None:
+        self._append({"event": "undone", "id": fault_id, "at": time.time(), "by": by})
+
+    def close_matching(self, undo: Undo, by: str) -> list[int]:
+        """Mark open faults whose undo is `undo` as undone (an action such as heal_partition
+        did it); returns their ids."""
+        ids = [e.id for e in self.open_faults() if e.undo == undo]
+        for fault_id in ids:
+            self.mark_undone(fault_id, by)
+        return ids
+
+    def undo_all(self, run_undo: Callable[[Undo], None], by: str) -> list[str]:
+        """Undo every open fault, most recent first. Returns one line per fault.
+
+        An undo that fails is reported and left open (so a later cleanup tries again); the
+        others still run.
+        """
+        report = []
+        for entry in self.open_faults():
+            assert entry.undo is not None
+            try:
+                run_undo(entry.undo)
+            except (LLMChaosError, OSError) as exc:
+                report.append(f"fault {entry.id} {entry.fault}({entry.target}): undo FAILED: {exc}")
+                continue
+            self.mark_undone(entry.id, by)
+            report.append(f"fault {entry.id} {entry.fault}({entry.target}): undone by {by}")
+        return report

@@ -1,0 +1,185 @@
+"""What a run leaves in its folder: summary.json, journal.json, timeline.csv, the recovery
+chart (recovery.png, recovery.svg) and report.html. See `write_run_report`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmchaos.analysis import (
+    Recovery,
+    SecondRecord,
+    Slo,
+    WindowVerdict,
+    fault_impact,
+    read_timeline,
+    recovery,
+    rolling_windows,
+)
+from llmchaos.ledger import FaultEntry
+from llmchaos.report.chart import ChartMarks, write_recovery_chart
+from llmchaos.report.html import render_html
+from llmchaos.report.summary import RunResult, probe_output, verdict_of
+from llmchaos.settings import RunSettings
+
+__all__ = ["RunFacts", "RunResult", "write_run_report"]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run knows at its end, handed to the report (no dependency on the run object)."""
+
+    name: str
+    title: str
+    run_dir: Path
+    settings: RunSettings
+    qps_run: float
+    faults: Sequence[FaultEntry]
+    load_start_ts: float | None
+    timeline_path: Path | None
+    load_summary: dict[str, Any] | None
+    frame_drops_since_fault: int | None
+    """From the load's live window since the first fault (needs success instants the
+    timeline does not keep), read before the load stopped."""
+    guard: str | None
+    notes: Sequence[str]
+    started_at: float
+
+
+def _write_csv(
+    path: Path, records: Sequence[SecondRecord], windows: Sequence[WindowVerdict]
+) -> None:
+    by_end = {w.end_ts - 1: w for w in windows}
+    classes = sorted({c for r in records for c in r.failed})
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(
+            [
+                *("ts", "scheduled", "ok", *(f"failed_{c}" for c in classes), "dropped"),
+                *("p50_ms", "p99_ms", "gpu", "cpu"),
+                *("window_p99_ms", "window_error_rate", "window_meets_slo"),
+            ]
+        )
+        for r in records:
+            w = by_end.get(r.ts)
+            out.writerow(
+                [
+                    *(r.ts, r.scheduled, r.ok, *(r.failed.get(c, 0) for c in classes)),
+                    r.dropped,
+                    *(_round(r.latency.quantile(0.5)), _round(r.latency.quantile(0.99))),
+                    *(r.modes.get("gpu", 0), r.modes.get("cpu", 0)),
+                    *((w.p99_ms, w.error_rate, w.meets_slo) if w else ("", "", "")),
+                ]
+            )
+
+
+def _round(value: float | None) -> float | str:
+    return "" if value is None else round(value, 2)
+
+
+def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResult:
+    """Analyse the timeline, write every file of the run folder, return the result."""
+    s = facts.settings
+    slo = Slo(s.p99_slo_ms, s.error_rate_slo, s.error_classes)
+    records: list[SecondRecord] = []
+    if facts.timeline_path is not None and facts.timeline_path.exists():
+        records = read_timeline(facts.timeline_path)
+    windows = rolling_windows(records, slo, s.window_s)
+    fault_times = [f.at for f in facts.faults]
+    rec: Recovery | None = None
+    impact = None
+    if fault_times and records:
+        last = max(fault_times)
+        rec = recovery(records, last, slo, window_s=s.window_s, stable_for_s=s.stable_for_s)
+        impact = fault_impact(
+            records, min(fault_times), slo, window_s=s.window_s, until_ts=rec.recovered_at_ts
+        )
+    probed = probe_output(journal, "after", "recovery_time_s")
+    recovery_time = probed if isinstance(probed, int | float) else None
+    source = "probe" if recovery_time is not None else None
+    if recovery_time is None and rec is not None and rec.recovered:
+        recovery_time, source = rec.recovery_time_s, "timeline"
+    verdict, reasons = verdict_of(journal, facts.guard)
+    origin = facts.load_start_ts or (records[0].ts if records else facts.started_at)
+    result = RunResult(
+        experiment=facts.name,
+        title=facts.title,
+        run_dir=str(facts.run_dir),
+        verdict=verdict,
+        reasons=reasons,
+        journal_status=(journal or {}).get("status"),
+        deviated=bool((journal or {}).get("deviated")),
+        steady_state_before_met=_met(journal, "before"),
+        steady_state_after_met=_met(journal, "after"),
+        target=s.target,
+        variant=s.variant,
+        qps_asked=s.qps,
+        qps_run=facts.qps_run,
+        sla_s=s.sla_s,
+        recovered=None if rec is None else (rec.recovered or source == "probe"),
+        recovery_time_s=recovery_time,
+        recovery_time_source=source,
+        detected_after_s=(
+            round(rec.detected_at_ts - rec.fault_ts, 3)
+            if rec is not None and rec.detected_at_ts is not None
+            else None
+        ),
+        worst_p99_ms=impact.worst_p99_ms if impact else None,
+        peak_error_rate=impact.peak_error_rate if impact else None,
+        failed_requests=impact.failed_requests if impact else None,
+        frame_drops=facts.frame_drops_since_fault,
+        cpu_mode_s=impact.cpu_mode_s if impact else None,
+        cpu_answers=impact.cpu_answers if impact else None,
+        gpu_return_s=impact.gpu_return_s if impact else None,
+        slo={
+            "p99_ms": s.p99_slo_ms,
+            "error_rate": s.error_rate_slo,
+            "error_classes": list(s.error_classes),
+            "queue_depth": s.queue_depth_slo,
+            "window_s": s.window_s,
+            "stable_for_s": s.stable_for_s,
+        },
+        faults=[
+            {
+                "fault": f.fault,
+                "target": f.target,
+                "at": f.at,
+                "at_s": round(f.at - origin, 3),
+                "state": f.state,
+                "details": f.details,
+                "error": f.error,
+            }
+            for f in facts.faults
+        ],
+        load=facts.load_summary,
+        load_start_ts=facts.load_start_ts,
+        started_at=facts.started_at,
+        ended_at=time.time(),
+        guard=facts.guard,
+        notes=facts.notes,
+    )
+    run_dir = facts.run_dir
+    if journal is not None:
+        (run_dir / "journal.json").write_text(json.dumps(journal, indent=2, default=str))
+    _write_csv(run_dir / "timeline.csv", records, windows)
+    chart_svg = None
+    if records:
+        title = f"{facts.title} ({s.variant}): {verdict.upper()}"
+        marks = ChartMarks(origin, fault_times, rec)
+        _, chart_svg = write_recovery_chart(
+            records, windows, slo, marks, run_dir / "recovery", title
+        )
+    result.write(run_dir / "summary.json")
+    (run_dir / "report.html").write_text(render_html(result, journal, chart_svg))
+    return result
+
+
+def _met(journal: dict[str, Any] | None, phase: str) -> bool | None:
+    state = ((journal or {}).get("steady_states") or {}).get(phase)
+    return None if not state else bool(state.get("steady_state_met"))

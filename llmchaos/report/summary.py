@@ -1,0 +1,156 @@
+"""The verdict of a run and its figures: `RunResult`, as written to `summary.json`.
+
+The verdict follows Chaos Toolkit's own outcome, made strict: a run passes only when the
+journal is `completed`, did not deviate, met the steady state *before* the method (Chaos
+Toolkit skips the method and exits 0 otherwise), and the safety guard did not abort it.
+The figures come from the load's timeline (post-run analysis), except the recovery time,
+which is the recovery probe's output when the experiment has one (what the tolerance judged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunResult", "hypothesis_outcome", "probe_output", "verdict_of"]
+
+
+@dataclass
+class RunResult:
+    """Everything summary.json holds; times are epoch seconds unless `_s` says a duration."""
+
+    experiment: str
+    title: str
+    run_dir: str
+    verdict: str
+    """pass or fail."""
+    reasons: list[str]
+    """Why it failed (empty when it passed)."""
+    journal_status: str | None
+    deviated: bool
+    steady_state_before_met: bool | None
+    steady_state_after_met: bool | None
+    target: str
+    variant: str
+    qps_asked: float
+    qps_run: float
+    sla_s: float
+    recovered: bool | None
+    """None when there was no fault to recover from."""
+    recovery_time_s: float | None
+    recovery_time_source: str | None
+    """probe (the experiment's recovery_time_s probe) or timeline (post-run analysis)."""
+    detected_after_s: float | None
+    worst_p99_ms: float | None
+    peak_error_rate: float | None
+    failed_requests: int | None
+    frame_drops: int | None
+    cpu_mode_s: int | None
+    cpu_answers: int | None
+    gpu_return_s: float | None
+    slo: dict[str, Any]
+    faults: list[dict[str, Any]]
+    load: dict[str, Any] | None
+    """The load's own summary (scheduled, ok, failed by class, dropped, latency ...)."""
+    load_start_ts: float | None
+    started_at: float
+    ended_at: float
+    guard: str | None = None
+    """Why the safety guard aborted the run, if it did."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def write(self, path: Path) -> Path:
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> RunResult:
+        data = json.loads(Path(path).read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def table(self) -> str:
+        """A short plain-text table for the terminal."""
+
+        def fmt(value: Any, unit: str = "") -> str:
+            if value is None:
+                return "-"
+            if isinstance(value, float):
+                return f"{value:.3g}{unit}" if abs(value) < 1000 else f"{value:.0f}{unit}"
+            return f"{value}{unit}"
+
+        recovery = (
+            "not recovered"
+            if self.recovered is False
+            else fmt(self.recovery_time_s, " s") + f" (SLA {self.sla_s:g} s)"
+        )
+        rows = [
+            ("verdict", self.verdict.upper() + "".join(": " + r for r in self.reasons[:1])),
+            ("experiment", f"{self.title} [{self.experiment}]"),
+            ("target", f"{self.target} / {self.variant}, {self.qps_run:g} QPS"),
+            ("recovery time", recovery),
+            ("worst p99", fmt(self.worst_p99_ms, " ms") + f" (SLO {self.slo['p99_ms']:g} ms)"),
+            (
+                "peak error rate",
+                (f"{self.peak_error_rate:.1%}" if self.peak_error_rate is not None else "-")
+                + f" (SLO {self.slo['error_rate']:.1%})",
+            ),
+            ("failed requests", fmt(self.failed_requests)),
+            ("frame drops", fmt(self.frame_drops)),
+            ("CPU mode", fmt(self.cpu_mode_s, " s") + f", {fmt(self.cpu_answers)} CPU answers"),
+            ("run folder", self.run_dir),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def probe_output(journal: dict[str, Any] | None, phase: str, func: str) -> Any:
+    """Output of the steady-state probe calling `func` in phase before/after, or None."""
+    state = ((journal or {}).get("steady_states") or {}).get(phase) or {}
+    for run in state.get("probes", []):
+        if run.get("activity", {}).get("provider", {}).get("func") == func:
+            return run.get("output")
+    return None
+
+
+def hypothesis_outcome(journal: dict[str, Any] | None, phase: str) -> tuple[bool | None, str]:
+    """(met, a line naming the first probe that missed) of the before/after hypothesis."""
+    state = ((journal or {}).get("steady_states") or {}).get(phase)
+    if not state:
+        return None, ""
+    if state.get("steady_state_met"):
+        return True, ""
+    for run in state.get("probes", []):
+        if not run.get("tolerance_met", True) or run.get("status") == "failed":
+            name = run.get("activity", {}).get("name", "?")
+            if run.get("status") == "failed":
+                error = (run.get("exception") or ["failed"])[-1].strip()
+                return False, f"{name}: {error}"
+            return False, f"{name} = {run.get('output')!r} is out of tolerance"
+    return False, "steady state not met"
+
+
+def verdict_of(journal: dict[str, Any] | None, guard: str | None) -> tuple[str, list[str]]:
+    """pass/fail and the reasons; see the module docstring."""
+    reasons = []
+    if journal is None:
+        reasons.append("the experiment did not run to its end (no journal)")
+    else:
+        before, why_before = hypothesis_outcome(journal, "before")
+        if before is False:
+            reasons.append(f"steady state not met before the method: {why_before}")
+        after, why_after = hypothesis_outcome(journal, "after")
+        if journal.get("deviated") or after is False:
+            reasons.append(f"deviated after the method: {why_after}")
+        status = journal.get("status")
+        if status != "completed" and not reasons:
+            reasons.append(f"journal status {status}")
+    if guard:
+        reasons.append(f"safety guard: {guard}")
+    return ("fail" if reasons else "pass"), reasons

@@ -1,0 +1,269 @@
+"""One chaos run: its folder, its target, its load, its fault ledger, and how it ends.
+
+    run = ChaosRun.open(settings, "gpu_kill", title)      # reports/runs/<time>-gpu_kill/
+    run.start_target(); run.start_load(); run.warm_up()
+    ... probes and actions use current_run() ...
+    result = run.finish(journal)                          # undo, stop, analyse, report
+
+The control (llmchaos.control) drives these steps; probes and actions reach the run through
+`current_run()`, since Chaos Toolkit calls them as plain functions in the same process.
+
+`run.json` in the run folder says who owns the run (pid) and what it started (stack state
+folder, load folder), so `llmchaos cleanup` can finish what a killed `chaos run` left: it
+undoes the ledger's open faults, stops the load and stops the stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmchaos.backends import Backend, TargetInfo
+from llmchaos.backends.embedded import EmbeddedBackend
+from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.ledger import LEDGER_FILE, FaultEntry, FaultLedger, Undo
+from llmchaos.load import LoadConfig, LoadRun, Summary
+from llmchaos.settings import RunSettings
+
+__all__ = ["RUN_FILE", "ChaosRun", "NoActiveRun", "current_run", "planned_target"]
+
+log = logging.getLogger("chaostoolkit")
+
+RUN_FILE = "run.json"
+LOAD_UNDO_OPS = frozenset({"set_qps"})
+"""Undo operations that act on the load rather than on the target."""
+
+
+class NoActiveRun(LLMChaosError):
+    """A probe or action was called without a run (the control is not declared)."""
+
+
+_current: ChaosRun | None = None
+_current_lock = threading.Lock()
+
+
+def current_run() -> ChaosRun:
+    """The run of this process; raises NoActiveRun with what to add to the experiment."""
+    run = _current
+    if run is None:
+        raise NoActiveRun(
+            "no llmchaos run in this process: declare the control in the experiment, "
+            '"controls": [{"name": "llmchaos", "provider": {"type": "python", '
+            '"module": "llmchaos.control"}}]'
+        )
+    return run
+
+
+def planned_target(settings: RunSettings) -> TargetInfo:
+    """The target's names before it is started (for checking an experiment first)."""
+    if settings.target == "embedded":
+        return EmbeddedBackend.planned_info(settings.stack_config())
+    raise InvalidInput(
+        f"target: {settings.target!r} is not available yet (only 'embedded'; Kubernetes "
+        "comes with issue 6)"
+    )
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_.-]+", "-", text).strip("-")[:60] or "experiment"
+
+
+@dataclass
+class ChaosRun:
+    """See the module docstring."""
+
+    settings: RunSettings
+    name: str
+    """Short name of the experiment (its file name without .json)."""
+    title: str
+    run_dir: Path
+    ledger: FaultLedger
+    backend: Backend | None = None
+    load: LoadRun | None = None
+    load_start_ts: float | None = None
+    current_qps: float = 0.0
+    """The load's rate now (actions may change it)."""
+    method_started_ts: float | None = None
+    notes: list[str] = field(default_factory=list)
+    """Things the run decided or noticed, for the report (qps capped, guard tripped...)."""
+    aborted_by_guard: str | None = None
+    finished: bool = False
+
+    # -- opening -------------------------------------------------------------------------
+    @classmethod
+    def open(cls, settings: RunSettings, name: str, title: str) -> ChaosRun:
+        """Create the run folder and make this the process's current run."""
+        global _current
+        run_dir = Path(settings.runs_root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(name)}"
+        suffix = 1
+        while run_dir.exists():
+            suffix += 1
+            run_dir = run_dir.with_name(f"{run_dir.name.rsplit('~', 1)[0]}~{suffix}")
+        run_dir.mkdir(parents=True)
+        run = cls(settings, name, title, run_dir.resolve(), FaultLedger(run_dir / LEDGER_FILE))
+        run.write_state("running")
+        with _current_lock:
+            _current = run
+        return run
+
+    def write_state(self, status: str, **extra: Any) -> None:
+        """(Re)write run.json: owner pid, status, what was started."""
+        data = {
+            "pid": os.getpid(),
+            "status": status,
+            "name": self.name,
+            "title": self.title,
+            "target": self.settings.target,
+            "stack_state_dir": self._stack_state_dir(),
+            "load_run_dir": str(self.load.run_dir.resolve()) if self.load else None,
+            "settings": self.settings.to_dict(),
+            **extra,
+        }
+        tmp = self.run_dir / (RUN_FILE + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.run_dir / RUN_FILE)
+
+    def _stack_state_dir(self) -> str | None:
+        if isinstance(self.backend, EmbeddedBackend):
+            return self.backend.topology.state_dir
+        return None
+
+    # -- starting ------------------------------------------------------------------------
+    def start_target(self) -> Backend:
+        """Start the embedded stack (the only target so far) and record it in run.json."""
+        if self.settings.target != "embedded":
+            planned_target(self.settings)  # raises the "not available" error
+        log.info("llmchaos: starting the embedded stack (variant %s)", self.settings.variant)
+        self.backend = EmbeddedBackend.start(self.settings.stack_config())
+        self.write_state("running")
+        return self.backend
+
+    def start_load(self) -> LoadRun:
+        """Start the open-loop load against the target, owned by this process."""
+        backend = self._backend()
+        s = self.settings
+        if s.effective_qps < s.qps:
+            note = (
+                f"qps: the experiment asks {s.qps:g}; the embedded stack on this machine runs "
+                f"{s.effective_qps:g} (embedded_max_qps: load, stack and faults share "
+                f"{os.cpu_count()} cores; set LLMCHAOS_EMBEDDED_MAX_QPS to change it)"
+            )
+            self.notes.append(note)
+            log.warning("llmchaos: %s", note)
+        config = LoadConfig(
+            url=backend.gateway_url,
+            qps=s.effective_qps,
+            duration_s=s.max_duration_s,
+            workers=s.load_workers,
+            profile=s.load_profile,
+            tokens_file=backend.tokens_file,
+            stream_share=s.stream_share,
+            output_median_tokens=s.output_median_tokens,
+            prompt_max_tokens=s.prompt_max_tokens,
+            bad_token_share=s.bad_token_share,
+            bad_tokens=s.bad_tokens,
+            timeout_s=s.request_timeout_s,
+            run_dir=str(self.run_dir / "load"),
+            owner_pid=os.getpid(),
+        )
+        log.info(
+            "llmchaos: starting the load: %g QPS %s to %s", config.qps, s.load_profile, config.url
+        )
+        self.load = LoadRun.start(config)
+        self.current_qps = config.qps
+        self.write_state("running")
+        self.load_start_ts = self.load.wait_started()
+        return self.load
+
+    def warm_up(self) -> None:
+        """Let the load run `warmup_s` before the first steady-state check."""
+        remaining_s = (self.load_start_ts or time.time()) + self.settings.warmup_s - time.time()
+        if remaining_s > 0:
+            log.info("llmchaos: warming up for %.0f s", remaining_s)
+            time.sleep(remaining_s)
+
+    def _backend(self) -> Backend:
+        if self.backend is None:
+            raise NoActiveRun("the run's target is not started")
+        return self.backend
+
+    def _load(self) -> LoadRun:
+        if self.load is None:
+            raise NoActiveRun("the run's load is not started")
+        return self.load
+
+    @property
+    def target(self) -> Backend:
+        return self._backend()
+
+    @property
+    def traffic(self) -> LoadRun:
+        return self._load()
+
+    # -- faults --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def fault(self, fault: str, target: str, undo: Undo | None) -> Iterator[dict[str, Any]]:
+        """Ledger first, then the action (the body). See FaultLedger.inject."""
+        log.info("llmchaos: fault %s on %s", fault, target)
+        with self.ledger.inject(fault, target, undo) as details:
+            yield details
+
+    def last_fault_ts(self) -> float | None:
+        return self.ledger.last_fault_at()
+
+    def faults(self) -> list[FaultEntry]:
+        return self.ledger.entries()
+
+    def run_undo(self, undo: Undo) -> None:
+        """Run one undo operation on the load or the target."""
+        if undo.op in LOAD_UNDO_OPS:
+            if self.load is not None and self.load.running:
+                self.load.set_qps(float(undo.args["qps"]))
+                self.current_qps = float(undo.args["qps"])
+            return
+        self._backend().undo(undo.op, undo.args)
+
+    def undo_faults(self, by: str) -> list[str]:
+        """Undo every open fault (most recent first); returns what was done."""
+        lines = self.ledger.undo_all(self.run_undo, by)
+        for line in lines:
+            log.info("llmchaos: %s", line)
+        return lines
+
+    # -- ending --------------------------------------------------------------------------
+    def stop_load(self) -> Summary | None:
+        """Stop the load and return its summary (None when it never started or broke)."""
+        if self.load is None:
+            return None
+        try:
+            return self.load.stop()
+        except LLMChaosError as exc:
+            self.notes.append(f"load did not stop cleanly: {exc}")
+            self.load.close()
+            try:
+                return Summary.read(self.load.summary_path)
+            except LLMChaosError:
+                return None
+
+    def stop_target(self) -> None:
+        if isinstance(self.backend, EmbeddedBackend):
+            log.info("llmchaos: stopping the embedded stack")
+            self.backend.stop()
+
+    def close(self, status: str) -> None:
+        """Mark the run ended and no longer current."""
+        global _current
+        self.finished = True
+        self.write_state(status)
+        with _current_lock:
+            if _current is self:
+                _current = None

@@ -1,0 +1,293 @@
+"""The settings of one chaos run: `RunSettings`, built from the experiment and the environment.
+
+Where each value comes from, first match wins:
+
+1. the experiment's `configuration` (after Chaos Toolkit resolved its `env` entries and
+   `--var` overrides), under the field's name: `"qps": 5000`, `"sla_s": {"type": "env", ...}`;
+2. the environment variable `LLMCHAOS_<FIELD>` (e.g. `LLMCHAOS_VARIANT=naive-cache`), for
+   fields the experiment does not set;
+3. the default below.
+
+Values from the environment are strings; they are converted to the field's type here, and a
+value that does not convert is an InvalidInput naming the key, the value and what is expected.
+A configuration key that is not a field but looks like one (`sla` for `sla_s`) is an error too:
+a typo must not silently fall back to the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from llmchaos.errors import InvalidInput
+from llmchaos.stack.config import StackConfig, get_variant
+
+__all__ = ["ENV_PREFIX", "ERROR_CLASSES", "RunSettings", "Target"]
+
+ENV_PREFIX = "LLMCHAOS_"
+Target = Literal["embedded", "k8s"]
+ERROR_CLASSES = ("5xx", "429", "timeout", "connection", "bad_body", "4xx")
+"""Failure classes the load counts (see llmchaos.load.timeline.FAILURE_CLASSES)."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything one chaos run can be told; each field has a default and says why."""
+
+    # -- the target ---------------------------------------------------------------------
+    target: Target = "embedded"
+    """embedded: the reference stack on this machine, started and stopped by the run.
+    k8s: a cluster (issue 6)."""
+    variant: str = "hardened"
+    """Embedded stack variant; known-bad ones (naive-cache, no-cpu-fallback,
+    no-backup-gateway, no-failover) are the negative controls."""
+    netns: Literal["auto", "on", "off"] = "auto"
+    """Embedded nodes as network namespaces: auto = when root (partitions need it)."""
+    gpu_workers: int = 2
+    """Embedded GPU workers (node-a, node-b, ...)."""
+    cpu_workers: int = 1
+    """Embedded CPU fallback workers (on the node after the GPU nodes)."""
+    gpu_load_s: float = 10.0
+    """Embedded model-load time of a GPU worker after a restart: the not-ready gap a GPU kill
+    opens. A 7B model on Kubernetes takes ~45 s (seed); 10 s keeps runs short and still
+    longer than the recovery window, so a target that does not route around it shows."""
+    first_load_s: float = 2.0
+    """Embedded model-load time at the first start only, so the stack is up in seconds."""
+    restart_delay_s: float = 0.5
+    """Embedded node agents' wait before restarting a dead worker (kubelet back-off)."""
+    token_db_latency_ms: float = 5.0
+    """Embedded token table round trip per lookup (a networked DB)."""
+    token_db_pool_size: int = 4
+    """Embedded SQLite connections per gateway: what a cache stampede queues on."""
+    tenants: int = 8
+    """Embedded tenants seeded in the token table."""
+
+    # -- the load ------------------------------------------------------------------------
+    qps: float = 50.0
+    """Total request rate the experiment asks for (the catalogue says 5000, for a cluster)."""
+    embedded_max_qps: float = 50.0
+    """Highest rate used on the embedded stack, whatever `qps` says. The software path
+    carries ~1500 QPS of tiny requests here (bench/stack_capacity.py), but the two simulated
+    GPUs are the limit for LLM-shaped ones: one must carry all of it once the other is
+    killed (a cluster is sized to survive one failure), and at 50 QPS of the default
+    traffic its P99 stays near 2 s, under the 3 s SLO."""
+    load_workers: int = 1
+    """Locust processes sending the load (one sustains ~2,500 QPS here)."""
+    load_profile: str = "poisson"
+    """Arrival process: constant, poisson, bursty, stepped, or a profile file."""
+    stream_share: float = 0.3
+    """Share of streaming requests (TTFT is measured on those)."""
+    output_median_tokens: int = 8
+    """Median max_tokens of the requests (log-normal, P99 ~5x the median): short answers,
+    so the embedded stack's simulated GPUs hold the rate; 64 is typical chat on a cluster."""
+    prompt_max_tokens: int = 4096
+    """Longest user prompt in tokens (Zipf-like lengths from 10)."""
+    bad_token_share: float = 0.0
+    """Share of requests with a revoked or unknown token (auth chaos)."""
+    bad_tokens: str = "mixed"
+    """Which bad tokens: mixed, revoked (stale tokens after a mass refresh), unknown."""
+    request_timeout_s: float = 8.0
+    """Client timeout of one request (field default 8 s)."""
+    warmup_s: float = 8.0
+    """Load before the steady-state hypothesis is first checked: caches warm, windows full."""
+    max_duration_s: float = 900.0
+    """Bound of the load schedule: the load stops by itself after this, whatever happens."""
+
+    # -- the SLO and the verdict ---------------------------------------------------------
+    p99_slo_ms: float = 3000.0
+    """P99 end-to-end latency (from scheduled send time) a window may have."""
+    error_rate_slo: float = 0.01
+    """Failed share a window may have (classes in `error_classes`, dropped sends included)."""
+    error_classes: tuple[str, ...] = ("5xx", "429", "timeout", "connection", "bad_body")
+    """Outcomes that count as failures for the SLO. Other 4xx (bad token, bad request) are
+    the client's fault and stay out by default; 429 counts: a shed request is not served."""
+    queue_depth_slo: float = 100.0
+    """Requests waiting in the engines (sum of vllm:num_requests_waiting) allowed."""
+    sla_s: float = 45.0
+    """Recovery SLA: seconds from the fault until the SLO holds again for `stable_for_s`
+    (seed: a killed GPU process was rescheduled in ~45 s)."""
+    window_s: float = 5.0
+    """Rolling window over which P99 and error rate are judged."""
+    stable_for_s: float = 10.0
+    """How long every window must meet the SLO before the service counts as recovered."""
+    recovery_timeout_s: float = 0.0
+    """How long after the fault the recovery probe waits at most. 0: until recovery within
+    the SLA can no longer be shown (sla_s + window_s + stable_for_s + the request timeout,
+    for the last requests to settle, + 5 s of reporting lag). The report still measures a
+    later recovery from the whole timeline."""
+    guard_error_rate: float = 0.5
+    """Safety guard: when the error rate stays above this for `guard_for_s`, the run undoes
+    every fault and aborts."""
+    guard_for_s: float = 120.0
+    """Safety guard period; longer than a recovery probe waits, so a known-bad target still
+    deviates (its verdict) before the guard aborts it."""
+
+    # -- where output goes ---------------------------------------------------------------
+    runs_root: str = "reports/runs"
+    """Folder of the run folders (`<time>-<experiment>/`)."""
+    stacks_root: str = "reports/stacks"
+    """Folder of the embedded stacks' state folders."""
+
+    def __post_init__(self) -> None:
+        if self.target not in typing.get_args(Target):
+            raise InvalidInput(
+                f"target: expected one of {', '.join(typing.get_args(Target))}, got {self.target!r}"
+            )
+        get_variant(self.variant)
+        for name in (
+            "qps",
+            "embedded_max_qps",
+            "request_timeout_s",
+            "max_duration_s",
+            "p99_slo_ms",
+            "sla_s",
+            "window_s",
+            "stable_for_s",
+            "guard_for_s",
+        ):
+            _require(name, getattr(self, name), low=0.0, strict=True)
+        for name in (
+            "warmup_s",
+            "gpu_load_s",
+            "first_load_s",
+            "restart_delay_s",
+            "token_db_latency_ms",
+        ):
+            _require(name, getattr(self, name), low=0.0)
+        for name in ("error_rate_slo", "guard_error_rate", "stream_share", "bad_token_share"):
+            _require(name, getattr(self, name), low=0.0, high=1.0)
+        _require("queue_depth_slo", self.queue_depth_slo, low=0.0)
+        _require("recovery_timeout_s", self.recovery_timeout_s, low=0.0)
+        unknown = sorted(set(self.error_classes) - set(ERROR_CLASSES))
+        if unknown:
+            raise InvalidInput(
+                f"error_classes: unknown class(es) {', '.join(unknown)}; "
+                f"expected some of {', '.join(ERROR_CLASSES)}"
+            )
+        if self.load_workers < 1:
+            raise InvalidInput(f"load_workers: expected >= 1, got {self.load_workers}")
+        self.stack_config()  # the embedded stack's own checks (worker counts, ...)
+
+    # -- derived -------------------------------------------------------------------------
+    @property
+    def effective_qps(self) -> float:
+        """The rate the load runs at: `qps`, capped at `embedded_max_qps` on this machine."""
+        if self.target == "embedded":
+            return min(self.qps, self.embedded_max_qps)
+        return self.qps
+
+    @property
+    def recovery_deadline_s(self) -> float:
+        """How long after the last fault the recovery probe gives up."""
+        if self.recovery_timeout_s > 0:
+            return self.recovery_timeout_s
+        return self.sla_s + self.window_s + self.stable_for_s + self.request_timeout_s + 5.0
+
+    def stack_config(self) -> StackConfig:
+        """The embedded stack these settings ask for."""
+        return StackConfig(
+            variant=self.variant,
+            netns=self.netns,
+            gpu_workers=self.gpu_workers,
+            cpu_workers=self.cpu_workers,
+            port=0,
+            gpu_load_s=self.gpu_load_s,
+            first_load_s=self.first_load_s,
+            restart_delay_s=self.restart_delay_s,
+            token_db_latency_ms=self.token_db_latency_ms,
+            token_db_pool_size=self.token_db_pool_size,
+            tenants=self.tenants,
+            state_root=Path(self.stacks_root),
+        )
+
+    @classmethod
+    def from_configuration(
+        cls, configuration: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> RunSettings:
+        """Settings from an experiment's resolved configuration and the environment.
+
+        Raises InvalidInput naming the key, the value and what was expected.
+        """
+        configuration = dict(configuration or {})
+        environ = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        for key in configuration:
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
+                if close:
+                    raise InvalidInput(
+                        f"configuration.{key}: not a setting; did you mean {close[0]!r}?"
+                    )
+        values: dict[str, Any] = {}
+        for name in fields:
+            env_key = ENV_PREFIX + name.upper()
+            if name in configuration:
+                values[name] = _convert(hints[name], configuration[name], f"configuration.{name}")
+            elif env_key in environ:
+                values[name] = _convert(hints[name], environ[env_key], env_key)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _require(
+    name: str, value: float, *, low: float, high: float | None = None, strict: bool = False
+) -> None:
+    ok = math.isfinite(value) and (value > low if strict else value >= low)
+    if high is not None:
+        ok = ok and value <= high
+    if not ok:
+        bound = f"> {low:g}" if strict else f">= {low:g}"
+        if high is not None:
+            bound = f"within {low:g}..{high:g}"
+        raise InvalidInput(f"{name}: expected a number {bound}, got {value!r}")
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    """`value` (from JSON or a string from the environment) as type `hint`."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise InvalidInput(f"{where}: expected one of {', '.join(allowed)}, got {value!r}")
+        return value
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple):
+            raise InvalidInput(f"{where}: expected a list or a comma-separated string")
+        return tuple(str(item).strip() for item in items if str(item).strip())
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise InvalidInput(f"{where}: expected true or false, got {value!r}")
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise InvalidInput(f"{where}: expected a number, got {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise InvalidInput(f"{where}: expected a number, got {value!r}") from None
+        if hint is int:
+            if not number.is_integer():
+                raise InvalidInput(f"{where}: expected a whole number, got {value!r}")
+            return int(number)
+        return number
+    if hint is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise InvalidInput(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value

@@ -1,0 +1,177 @@
+"""Check an experiment before anything starts, and say exactly what is wrong and where.
+
+Chaos Toolkit validates the experiment's shape; this checks what it cannot know: that every
+probe and action of ours exists and gets arguments its function accepts, with values of the
+right type; that the workers, nodes and gateways named exist on the target; that rates and
+durations make sense; that every steady-state probe has a tolerance. Each problem names its
+place (`method[0] 'kill-gpu-0'.arguments.worker`), the value and what would be right.
+
+Activities are found by the module they name, as Chaos Toolkit does, so this module imports
+no probe or action itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from llmchaos.backends import TargetInfo
+from llmchaos.errors import InvalidInput
+from llmchaos.settings import ERROR_CLASSES
+
+__all__ = ["OUR_MODULES", "check_experiment"]
+
+OUR_MODULES = ("probes", "actions", "llmchaos")
+"""Top-level packages whose activities are checked here."""
+
+_INJECTED = {"configuration", "secrets", "value"}
+"""Parameters Chaos Toolkit fills in itself (value: a tolerance probe's input)."""
+
+
+def _activities(experiment: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(place, activity) for every activity, tolerance probes included."""
+    hypothesis = experiment.get("steady-state-hypothesis") or {}
+    for i, probe in enumerate(hypothesis.get("probes") or []):
+        place = f"steady-state-hypothesis.probes[{i}] {probe.get('name')!r}"
+        yield place, probe
+        tolerance = probe.get("tolerance")
+        if isinstance(tolerance, dict) and tolerance.get("type") == "probe":
+            yield place + ".tolerance", tolerance
+    for section in ("method", "rollbacks"):
+        for i, activity in enumerate(experiment.get(section) or []):
+            if isinstance(activity, dict):
+                yield f"{section}[{i}] {activity.get('name')!r}", activity
+
+
+def _positive(value: Any) -> str | None:
+    return None if value > 0 else "expected a number > 0"
+
+
+def _not_negative(value: Any) -> str | None:
+    return None if value >= 0 else "expected a number >= 0"
+
+
+def _argument_checks(info: TargetInfo) -> dict[str, Callable[[Any], str | None]]:
+    """Checks by argument name, shared by every probe and action."""
+
+    def invalid(check: Callable[[], Any]) -> str | None:
+        try:
+            check()
+        except InvalidInput as exc:
+            return str(exc)
+        return None
+
+    return {
+        "node": lambda v: invalid(lambda: info.check_node(v)),
+        "gateway": lambda v: invalid(lambda: info.gateway_names(v)),
+        "qps": _positive,
+        "duration_s": _positive,
+        "factor": _positive,
+        "limit": _not_negative,
+        "window_s": _not_negative,
+        "timeout_s": _not_negative,
+        "ttl_s": _not_negative,
+        "mode": lambda v: None if v in ("", "gpu", "cpu") else "expected gpu, cpu or empty",
+        "classes": lambda v: (
+            None
+            if isinstance(v, list) and set(v) <= set(ERROR_CLASSES)
+            else f"expected a list of some of {list(ERROR_CLASSES)}"
+        ),
+    }
+
+
+def _type_problem(hint: Any, value: Any) -> str | None:
+    """A complaint when `value` does not fit annotation `hint` (JSON-level types only)."""
+    allowed = typing.get_args(hint) if typing.get_origin(hint) else (hint,)
+    for kind in allowed:
+        if kind in (float, int) and isinstance(value, int | float) and not isinstance(value, bool):
+            return None if math.isfinite(value) else "expected a finite number"
+        if kind is type(None) and value is None:
+            return None
+        if kind in (str, bool) and isinstance(value, kind):
+            return None
+        if (typing.get_origin(kind) is list or kind is list) and isinstance(value, list):
+            return None
+    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
+    return f"expected {names}, got {value!r}"
+
+
+def _check_activity(
+    place: str,
+    activity: dict[str, Any],
+    configuration: dict[str, Any],
+    checks: dict[str, Callable[[Any], str | None]],
+    info: TargetInfo,
+) -> list[str]:
+    from chaoslib import substitute
+
+    provider = activity.get("provider") or {}
+    module_name = str(provider.get("module", ""))
+    if provider.get("type") != "python" or module_name.split(".")[0] not in OUR_MODULES:
+        return []
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        return [f"{place}.provider.module: cannot import {module_name!r}: {exc}"]
+    func_name = str(provider.get("func", ""))
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        public = [n for n in getattr(module, "__all__", []) if callable(getattr(module, n, None))]
+        return [
+            f"{place}.provider.func: {module_name} has no function {func_name!r}; "
+            f"it has: {', '.join(public)}"
+        ]
+    arguments = substitute(dict(provider.get("arguments") or {}), configuration, None) or {}
+    signature = inspect.signature(func)
+    given = {k: v for k, v in arguments.items() if k not in _INJECTED}
+    try:
+        signature.bind_partial(**given)
+    except TypeError as exc:
+        accepted = [p for p in signature.parameters if p not in _INJECTED]
+        return [f"{place}.arguments: {exc}; {func_name} accepts: {', '.join(accepted)}"]
+    hints = typing.get_type_hints(func)
+    problems = []
+    for name, value in given.items():
+        where = f"{place}.arguments.{name}"
+        type_problem = _type_problem(hints[name], value) if name in hints else None
+        if type_problem:
+            problems.append(f"{where}: {type_problem}")
+            continue
+        check = checks.get(name)
+        problem = check(value) if check else None
+        if problem:
+            problems.append(f"{where}: {problem} (got {value!r})")
+    if "worker" in given or ("node" in given and func_name == "kill_gpu_process"):
+        try:
+            info.gpu_workers(str(given.get("worker", "")), str(given.get("node", "")))
+        except InvalidInput as exc:
+            problems.append(f"{place}.arguments: {exc}")
+    if func_name == "partition_node" and not info.partitions_supported:
+        problems.append(
+            f"{place}: partition_node needs nodes as network namespaces (run as root with "
+            "netns auto or on)"
+        )
+    return problems
+
+
+def check_experiment(
+    experiment: dict[str, Any], configuration: dict[str, Any], info: TargetInfo
+) -> list[str]:
+    """Every problem found (empty when the experiment is fine); see the module docstring."""
+    problems = []
+    hypothesis = experiment.get("steady-state-hypothesis") or {}
+    for i, probe in enumerate(hypothesis.get("probes") or []):
+        if "tolerance" not in probe:
+            problems.append(
+                f"steady-state-hypothesis.probes[{i}] {probe.get('name')!r}: missing tolerance "
+                '(e.g. "tolerance": [0, 45], or a probe tolerance such as probes.tolerances.'
+                "at_most)"
+            )
+    checks = _argument_checks(info)
+    for place, activity in _activities(experiment):
+        problems += _check_activity(place, activity, configuration, checks, info)
+    return problems

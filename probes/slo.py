@@ -1,0 +1,53 @@
+"""Client-side SLO probes, read from the open-loop load's live windows.
+
+Latency is measured from each request's scheduled send time, so an outage shows in P99 even
+when the service stops answering. `window_s=0` uses the run's `window_s` setting;
+`since_fault=true` measures from the last fault until now.
+"""
+
+from __future__ import annotations
+
+from llmchaos import measure
+from llmchaos.run import current_run
+
+__all__ = [
+    "achieved_qps",
+    "error_rate",
+    "frame_drops",
+    "p99_latency_ms",
+    "ttft_p99_ms",
+    "worst_p99_ms_since_fault",
+]
+
+
+def p99_latency_ms(window_s: float = 0.0, since_fault: bool = False) -> float:
+    """P99 end-to-end latency in ms over the window (unanswered requests at their age)."""
+    return measure.p99_latency_ms(current_run(), window_s, since_fault)
+
+
+def ttft_p99_ms(window_s: float = 0.0, since_fault: bool = False) -> float:
+    """P99 time to first token in ms of the streaming requests over the window."""
+    return measure.ttft_p99_ms(current_run(), window_s, since_fault)
+
+
+def error_rate(
+    window_s: float = 0.0, since_fault: bool = False, classes: list[str] | None = None
+) -> float:
+    """Failed share over the window, counting `classes` (default: the run's SLO classes:
+    5xx, 429, timeout, connection, bad_body) and dropped sends."""
+    return measure.error_rate(current_run(), window_s, since_fault, classes)
+
+
+def frame_drops(window_s: float = 0.0, since_fault: bool = True) -> int:
+    """Gaps of 3 s or more without a successful answer (since the last fault by default)."""
+    return measure.frame_drops(current_run(), window_s, since_fault)
+
+
+def achieved_qps(window_s: float = 0.0) -> float:
+    """Answered requests per second over the window."""
+    return measure.achieved_qps(current_run(), window_s)
+
+
+def worst_p99_ms_since_fault() -> float:
+    """Highest P99 in ms of any rolling window since the last fault."""
+    return measure.worst_p99_ms_since_fault(current_run())

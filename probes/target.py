@@ -1,0 +1,24 @@
+"""Target-side probes: the engines' queues, who serves, which workers are ready."""
+
+from __future__ import annotations
+
+from llmchaos import measure
+from llmchaos.run import current_run
+
+__all__ = ["healthy_workers", "queue_depth", "serving_mode_share"]
+
+
+def queue_depth() -> float:
+    """Requests waiting in the engines now: sum of vllm:num_requests_waiting."""
+    return measure.queue_depth(current_run())
+
+
+def serving_mode_share(mode: str = "cpu", window_s: float = 0.0, since_fault: bool = True) -> float:
+    """Share of answers served in `mode` (gpu or cpu), since the last fault by default: did
+    the service degrade to CPU instead of failing?"""
+    return measure.serving_mode_share(current_run(), mode, window_s, since_fault)
+
+
+def healthy_workers(mode: str = "") -> int:
+    """Workers answering ready now, of `mode` (gpu, cpu; empty = any)."""
+    return measure.healthy_workers(current_run(), mode)

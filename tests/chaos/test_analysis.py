@@ -1,0 +1,177 @@
+"""Recovery on synthetic timelines: never before the fault, monotone in the stable period,
+"not recovered" when the SLO never holds; and the worked examples of the definition."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmchaos.analysis import SecondRecord, Slo, fault_impact, recovery, rolling_windows
+from llmchaos.load.histogram import LogHistogram
+
+SLO = Slo(p99_ms=1000.0, error_rate=0.01)
+T0 = 1_700_000_000
+
+
+def second(
+    ts: int,
+    *,
+    latency_ms: float = 100.0,
+    ok: int = 50,
+    failed: int = 0,
+    unanswered: int = 0,
+    cpu: int = 0,
+) -> SecondRecord:
+    hist = LogHistogram()
+    hist.add(latency_ms, ok + failed)
+    return SecondRecord(
+        ts=ts,
+        scheduled=ok + failed + unanswered,
+        ok=ok,
+        failed={"5xx": failed} if failed else {},
+        unanswered=unanswered,
+        modes={"gpu": ok - cpu, "cpu": cpu} if ok else {},
+        latency=hist,
+    )
+
+
+def timeline(kinds: list[str], start: int = T0) -> list[SecondRecord]:
+    """g = good second, s = slow (p99 over the SLO), e = errors, 0 = nothing scheduled."""
+    out = []
+    for i, kind in enumerate(kinds):
+        ts = start + i
+        if kind == "g":
+            out.append(second(ts))
+        elif kind == "s":
+            out.append(second(ts, latency_ms=5000.0))
+        elif kind == "e":
+            out.append(second(ts, ok=10, failed=40))
+        elif kind == "0":
+            out.append(SecondRecord(ts=ts))
+    return out
+
+
+def test_outage_of_seven_seconds_recovers_in_seven() -> None:
+    records = timeline(["g"] * 20 + ["e"] * 7 + ["g"] * 30)
+    result = recovery(records, T0 + 20.0, SLO, window_s=5, stable_for_s=10)
+    assert result.recovered
+    # windows ending at 20..30 hold an error second; the first good one covers 27..31
+    assert result.recovery_time_s == 7.0
+    assert result.detected_at_ts == T0 + 21  # end of the window ending with second 20
+    assert result.recovered_at_ts == T0 + 27
+
+
+def test_fault_without_effect_recovers_in_zero() -> None:
+    records = timeline(["g"] * 40)
+    result = recovery(records, T0 + 20.4, SLO, window_s=5, stable_for_s=10)
+    assert result.recovered and result.recovery_time_s == 0.0 and result.detected_at_ts is None
+
+
+def test_slo_that_never_holds_again_is_not_recovered() -> None:
+    records = timeline(["g"] * 20 + ["s"] * 30)
+    result = recovery(records, T0 + 20.0, SLO, window_s=5, stable_for_s=10)
+    assert not result.recovered and result.recovery_time_s is None
+    assert result.detected_at_ts == T0 + 21
+
+
+def test_too_short_a_good_stretch_is_not_recovery() -> None:
+    records = timeline(["g"] * 10 + ["e"] * 3 + ["g"] * 12 + ["e"] * 3 + ["g"] * 16)
+    result = recovery(records, T0 + 10.0, SLO, window_s=5, stable_for_s=10)
+    # 12 good seconds give 8 good windows (< 10): recovery only after the second outage
+    assert result.recovered and result.recovered_at_ts == T0 + 28
+    assert result.recovery_time_s == 18.0
+
+
+def test_unsettled_seconds_are_not_judged() -> None:
+    records = timeline(["g"] * 10 + ["e"] * 2 + ["g"] * 5)
+    records += [second(T0 + 17 + i, unanswered=3) for i in range(15)]
+    result = recovery(records, T0 + 10.0, SLO, window_s=5, stable_for_s=10)
+    assert not result.recovered and result.judged_until_ts == T0 + 17
+
+
+def test_live_data_of_the_last_two_seconds_is_not_settled() -> None:
+    records = timeline(["g"] * 10)
+    windows = rolling_windows(records, SLO, 5, now_ts=T0 + 10.5)
+    assert [w.settled for w in windows][-3:] == [True, False, False]
+
+
+def test_a_window_with_nothing_answered_misses_the_slo() -> None:
+    records = timeline(["g"] * 10 + ["0"] * 8 + ["g"] * 20)
+    result = recovery(records, T0 + 10.0, SLO, window_s=3, stable_for_s=5)
+    # windows ending at 12..17 hold only silent seconds; the one ending at 18 holds second 18
+    assert result.detected_at_ts == T0 + 13
+    assert result.recovered and result.recovered_at_ts == T0 + 16
+
+
+def test_fault_impact_counts_the_fault_not_the_rest() -> None:
+    records = [second(T0 + i) for i in range(10)]
+    records += [second(T0 + 10 + i, ok=20, failed=30, cpu=15) for i in range(4)]
+    records += [second(T0 + 14 + i) for i in range(20)]
+    impact = fault_impact(records, T0 + 10.0, SLO, window_s=3, until_ts=T0 + 14)
+    assert impact.failed_requests == 4 * 30
+    assert impact.cpu_mode_s == 4 and impact.cpu_answers == 60
+    assert impact.gpu_return_s == 4.0
+    assert impact.peak_error_rate == 0.6
+
+
+kinds = st.lists(st.sampled_from("ggggse0"), min_size=5, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=st.integers(0, 20),
+    after=kinds,
+    offset=st.floats(0.0, 0.99),
+    window_s=st.integers(1, 8),
+    stable_for_s=st.integers(1, 15),
+)
+def test_recovery_is_never_before_the_fault(
+    before: int, after: list[str], offset: float, window_s: int, stable_for_s: int
+) -> None:
+    records = timeline(["g"] * before + after)
+    fault_ts = T0 + before + offset
+    result = recovery(records, fault_ts, SLO, window_s=window_s, stable_for_s=stable_for_s)
+    if result.recovered:
+        assert result.recovery_time_s is not None and result.recovery_time_s >= 0
+        assert result.recovered_at_ts is not None and result.recovered_at_ts >= fault_ts
+        assert result.judged_until_ts is not None
+        assert result.judged_until_ts >= fault_ts + stable_for_s - 1
+    if result.detected_at_ts is not None:
+        assert result.detected_at_ts > fault_ts
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=st.integers(0, 10),
+    after=kinds,
+    window_s=st.integers(1, 8),
+    stable_for_s=st.integers(1, 15),
+    more_s=st.integers(1, 10),
+)
+def test_recovery_is_monotone_in_the_stable_period(
+    before: int, after: list[str], window_s: int, stable_for_s: int, more_s: int
+) -> None:
+    records = timeline(["g"] * before + after)
+    fault_ts = T0 + before + 0.5
+    short = recovery(records, fault_ts, SLO, window_s=window_s, stable_for_s=stable_for_s)
+    long = recovery(records, fault_ts, SLO, window_s=window_s, stable_for_s=stable_for_s + more_s)
+    if long.recovered:
+        assert short.recovered
+        assert short.recovery_time_s is not None and long.recovery_time_s is not None
+        assert long.recovery_time_s >= short.recovery_time_s
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    before=st.integers(0, 20),
+    bad=st.lists(st.sampled_from("se"), min_size=1, max_size=60),
+    window_s=st.integers(1, 8),
+    stable_for_s=st.integers(1, 15),
+)
+def test_never_recovered_when_the_slo_never_holds_after_the_fault(
+    before: int, bad: list[str], window_s: int, stable_for_s: int
+) -> None:
+    records = timeline(["g"] * before + bad)
+    # from the fault's second on every window holds a bad second
+    result = recovery(records, T0 + before, SLO, window_s=window_s, stable_for_s=stable_for_s)
+    assert not result.recovered and result.recovery_time_s is None

@@ -1,0 +1,102 @@
+"""RunSettings from configuration and environment; the fault ledger on disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmchaos.errors import InvalidInput, StackError
+from llmchaos.ledger import FaultLedger, Undo
+from llmchaos.settings import RunSettings
+
+
+def test_configuration_wins_over_environment_over_default() -> None:
+    settings = RunSettings.from_configuration(
+        {"qps": 5000, "sla_s": "30"}, {"LLMCHAOS_SLA_S": "99", "LLMCHAOS_VARIANT": "naive-cache"}
+    )
+    assert settings.qps == 5000.0 and settings.sla_s == 30.0
+    assert settings.variant == "naive-cache"
+    assert settings.p99_slo_ms == RunSettings().p99_slo_ms
+
+
+def test_embedded_qps_is_capped_and_cluster_qps_is_not() -> None:
+    assert RunSettings(qps=5000).effective_qps == RunSettings().embedded_max_qps
+    assert RunSettings(qps=50).effective_qps == 50
+
+
+@pytest.mark.parametrize(
+    ("configuration", "environ", "message"),
+    [
+        ({"qps": 0}, {}, "qps: expected a number > 0, got 0.0"),
+        ({"qps": "lots"}, {}, "configuration.qps: expected a number, got 'lots'"),
+        ({}, {"LLMCHAOS_QPS": "-5"}, "qps: expected a number > 0"),
+        ({"variant": "shiny"}, {}, "unknown variant 'shiny'"),
+        ({"sla": 45}, {}, "configuration.sla: not a setting; did you mean 'sla_s'?"),
+        ({"target": "mars"}, {}, "target: expected one of embedded, k8s, got 'mars'"),
+        ({"error_rate_slo": 2}, {}, "error_rate_slo: expected a number within 0..1"),
+        ({"error_classes": "5xx,teapot"}, {}, "error_classes: unknown class(es) teapot"),
+        ({"gpu_workers": 1.5}, {}, "configuration.gpu_workers: expected a whole number"),
+    ],
+)
+def test_bad_settings_name_the_key(
+    configuration: dict[str, object], environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(InvalidInput) as raised:
+        RunSettings.from_configuration(configuration, environ)
+    assert message in str(raised.value)
+
+
+def test_unrelated_configuration_keys_are_left_alone() -> None:
+    RunSettings.from_configuration({"my_team": "sre", "dashboard_url": "http://x"}, {})
+
+
+def test_the_ledger_holds_the_fault_before_the_action_runs(tmp_path: Path) -> None:
+    ledger = FaultLedger(tmp_path / "ledger.jsonl")
+    with ledger.inject("partition_node", "node-a", Undo("heal_partition", {"node": "node-a"})):
+        on_disk = [json.loads(line) for line in ledger.path.read_text().splitlines()]
+        assert on_disk[0]["event"] == "inject" and on_disk[0]["undo"]["op"] == "heal_partition"
+    (entry,) = ledger.entries()
+    assert entry.state == "injected" and entry.open
+
+
+def test_a_failed_action_stays_open_and_everything_is_undone_newest_first(tmp_path: Path) -> None:
+    ledger = FaultLedger(tmp_path / "ledger.jsonl")
+    with ledger.inject("partition_node", "node-a", Undo("heal_partition", {"node": "node-a"})):
+        pass
+    with ledger.inject("kill_gpu_process", "gpu-0", None):
+        pass
+    with (
+        pytest.raises(StackError),
+        ledger.inject("crash_gateway", "gw", Undo("restore_gateway", {"gateway": "gw"})),
+    ):
+        raise StackError("half done")
+    assert [e.state for e in ledger.entries()] == ["injected", "injected", "failed"]
+    undone: list[Undo] = []
+    lines = ledger.undo_all(undone.append, by="test")
+    assert [u.op for u in undone] == ["restore_gateway", "heal_partition"]
+    assert len(lines) == 2 and not ledger.open_faults()
+    assert ledger.undo_all(undone.append, by="again") == []
+
+
+def test_a_failing_undo_is_reported_and_stays_open(tmp_path: Path) -> None:
+    ledger = FaultLedger(tmp_path / "ledger.jsonl")
+    with ledger.inject("partition_node", "node-a", Undo("heal_partition", {"node": "node-a"})):
+        pass
+
+    def broken(_undo: Undo) -> None:
+        raise StackError("iptables is gone")
+
+    (line,) = ledger.undo_all(broken, by="test")
+    assert "undo FAILED: iptables is gone" in line
+    assert len(ledger.open_faults()) == 1
+
+
+def test_a_line_cut_off_by_a_kill_is_skipped(tmp_path: Path) -> None:
+    ledger = FaultLedger(tmp_path / "ledger.jsonl")
+    with ledger.inject("partition_node", "node-a", Undo("heal_partition", {"node": "node-a"})):
+        pass
+    with ledger.path.open("a") as f:
+        f.write('{"event": "undone", "id": 1, "a')
+    assert len(ledger.open_faults()) == 1
