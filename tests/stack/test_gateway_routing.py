@@ -312,6 +312,28 @@ async def test_queue_over_threshold_is_shed_with_429_and_retry_after(
 
 
 @pytest.mark.asyncio
+async def test_full_cpu_fallback_sheds_instead_of_queueing(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    cpu = await upstreams("cpu-0", mode="cpu", max_num_seqs=2)
+    cpu.hold = asyncio.Event()
+    settings = _settings(
+        redis_server, token_db, [refusing_worker(), cpu], worker_queue_allowance_ratio=0.0
+    )
+    async with running_gateway(settings) as gw:
+        await _healthy(gw, gpu=0, cpu=1)
+        held = [asyncio.ensure_future(gw.chat()) for _ in range(2)]
+        await _held([cpu], 2)
+        status, headers, body = await gw.chat()
+        cpu.hold.set()
+        assert [r[0] for r in await asyncio.gather(*held)] == [200, 200]
+        assert (await gw.chat())[0] == 200  # capacity again: served from cpu
+    assert (status, headers["Retry-After"]) == (429, "1")
+    assert "CPU fallback is full" in body["error"]["message"]
+    assert len(cpu.received) == 3
+
+
+@pytest.mark.asyncio
 async def test_health_check_timeouts_fail_a_worker_only_when_repeated(
     redis_server: RedisServer, token_db: Path, upstreams: Upstreams
 ) -> None:

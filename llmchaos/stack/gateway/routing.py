@@ -25,6 +25,10 @@ Rules (also in the gateway's README section):
   would pull nearly all traffic into it instead of its share.
 - estimated queue = sum over workers of max(0, outstanding - max_num_seqs): what admission
   control sheds on.
+- CPU fallback is bounded: when no gpu worker is healthy and every healthy cpu worker is at
+  capacity, admission control sheds (429) instead of queueing on the cpu workers. A cpu
+  worker's queue is seconds per request deep, so queueing there ends in client timeouts and
+  gateway 504s; a fast 429 is the degraded answer a client can act on.
 """
 
 from __future__ import annotations
@@ -159,6 +163,16 @@ class WorkerPool:
             log.warning("worker %s ejected for %.1f s: %s", worker.name, self._eject_s, reason)
         worker.ejected_at = now
         worker.ejected_until = now + self._eject_s
+
+    def cpu_fallback_full(self) -> bool:
+        """No healthy gpu worker, and every healthy cpu worker at capacity (at least one)."""
+        if not self._failover or not self._cpu_fallback:
+            return False
+        now = time.monotonic()
+        if any(w.healthy(now) for w in self._gpu):
+            return False
+        cpus = [w for w in self._cpu if w.healthy(now)]
+        return bool(cpus) and all(w.outstanding >= w.capacity for w in cpus)
 
     def estimated_queue(self) -> int:
         """Requests beyond the workers' running batches, summed over all workers."""

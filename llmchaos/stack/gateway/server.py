@@ -165,19 +165,24 @@ class Gateway:
         return tenant
 
     def _admit(self) -> None:
-        """Raises ApiError 429 `rate_limit_exceeded` when the estimated queue is too long."""
+        """Raises ApiError 429 `rate_limit_exceeded` when the estimated queue is too long, or
+        when only the CPU fallback is left and it is full (routing.py's rules)."""
         queue = self.pool.estimated_queue()
         threshold = self.settings.queue_shed_threshold
         if queue > threshold:
-            retry_after_s = self.settings.retry_after_s
-            raise ApiError(
-                429,
-                f"Gateway overloaded: estimated queue {queue} > {threshold}; "
-                f"retry after {retry_after_s} s",
-                type="requests",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(retry_after_s)},
-            )
+            reason = f"estimated queue {queue} > {threshold}"
+        elif self.pool.cpu_fallback_full():
+            reason = "no GPU worker is available and the CPU fallback is full"
+        else:
+            return
+        retry_after_s = self.settings.retry_after_s
+        raise ApiError(
+            429,
+            f"Gateway overloaded: {reason}; retry after {retry_after_s} s",
+            type="requests",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after_s)},
+        )
 
     async def _list_models(self, request: web.Request) -> web.Response:
         await self._authenticate(request)
