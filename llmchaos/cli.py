@@ -18,6 +18,7 @@ __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llmchaos import run_cli
     from llmchaos.load import cli as load_cli
     from llmchaos.stack import cli as stack_cli
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     stack_cli.register(subparsers)
     load_cli.register(subparsers)
+    run_cli.register(subparsers)
     return parser
 
 

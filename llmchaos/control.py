@@ -35,6 +35,7 @@ from chaoslib.exceptions import InterruptExecution
 
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.report import RunFacts, write_run_report
+from llmchaos.report.summary import hypothesis_outcome
 from llmchaos.run import ChaosRun, planned_target
 from llmchaos.settings import RunSettings
 from llmchaos.validation import check_experiment
@@ -127,7 +128,8 @@ def before_experiment_control(
         run.start_load()
         run.warm_up()
     except LLMChaosError as exc:
-        raise InterruptExecution(f"llmchaos: could not start the run: {exc}") from None
+        run.interrupted_because = f"could not start the run: {exc}"
+        raise InterruptExecution(f"llmchaos: {run.interrupted_because}") from None
     _start_guard(run)
 
 
@@ -138,15 +140,14 @@ def after_hypothesis_control(
     if _session is None or _session.method_started or not state:
         return
     if state.get("steady_state_met") is False:
-        for probe in state.get("probes", []):
-            if not probe.get("tolerance_met", True) or probe.get("status") == "failed":
-                what = probe.get("activity", {}).get("name", "?")
-                raise InterruptExecution(
-                    f"llmchaos: steady state not met before the method ({what} = "
-                    f"{probe.get('output')!r}): the target is not healthy, so no fault is "
-                    "injected and the run fails"
-                )
-        raise InterruptExecution("llmchaos: steady state not met before the method")
+        _, why = hypothesis_outcome({"steady_states": {"before": state}}, "before")
+        reason = f"steady state not met before the method: {why}"
+        if _session.run is not None:
+            _session.run.interrupted_because = reason
+        raise InterruptExecution(
+            f"llmchaos: {reason}; the target is not healthy, so no fault is injected and the "
+            "run fails"
+        )
 
 
 def before_method_control(context: dict[str, Any], **kwargs: Any) -> None:
@@ -211,6 +212,7 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None, started_at: float
                 load_summary=summary.to_dict() if summary else None,
                 frame_drops_since_fault=frame_drops,
                 guard=run.aborted_by_guard,
+                interrupted_because=run.interrupted_because,
                 notes=run.notes,
                 started_at=started_at,
             ),

@@ -5,7 +5,8 @@ send time, so an outage shows), target-side ones from the backend. Each function
 run, so it can be used outside Chaos Toolkit too.
 
 `window_s=0` means the run's `window_s` setting; `since_fault=True` means the window from the
-last fault until now.
+last fault until now, and before the first fault an empty window (0 requests, 0 errors), so
+the same probe can sit in the steady-state hypothesis, which also runs before the method.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "p99_latency_ms",
     "queue_depth",
     "recovery_time_s",
+    "served_in_mode_since_fault",
     "serving_mode_share",
     "slo",
     "ttft_p99_ms",
@@ -48,13 +50,25 @@ def slo(run: ChaosRun) -> Slo:
     return Slo(p99_ms=s.p99_slo_ms, error_rate=s.error_rate_slo, error_classes=s.error_classes)
 
 
+_EMPTY_WINDOW: dict[str, Any] = {
+    "ok": 0,
+    "failed": {},
+    "dropped": 0,
+    "achieved_qps": 0.0,
+    "frame_drops": 0,
+    "latency_with_unanswered_ms": {"p99": None},
+    "ttft_ms": {"p99": None},
+    "serving_mode_share": {},
+}
+
+
 def _window(run: ChaosRun, window_s: float, since_fault: bool) -> dict[str, Any]:
     if window_s < 0:
         raise InvalidInput(f"window_s: expected seconds >= 0, got {window_s}")
     if since_fault:
         fault_ts = run.last_fault_ts()
         if fault_ts is None:
-            raise InvalidInput("since_fault: no fault was injected yet in this run")
+            return _EMPTY_WINDOW
         return run.traffic.window(since_ts=fault_ts)
     return run.traffic.window(last_s=window_s or run.settings.window_s)
 
@@ -107,6 +121,18 @@ def serving_mode_share(
     if mode not in ("gpu", "cpu"):
         raise InvalidInput(f"mode: expected gpu or cpu, got {mode!r}")
     return float(_window(run, window_s, since_fault)["serving_mode_share"].get(mode, 0.0))
+
+
+def served_in_mode_since_fault(run: ChaosRun, mode: str = "cpu", min_share: float = 0.01) -> bool:
+    """Since the last fault, at least `min_share` of the answers came from `mode` workers
+    (did the service degrade to CPU rather than fail?). True before any fault."""
+    if not 0 <= min_share <= 1:
+        raise InvalidInput(f"min_share: expected a share within 0..1, got {min_share}")
+    if run.last_fault_ts() is None:
+        return True
+    share = serving_mode_share(run, mode, since_fault=True)
+    log.info("llmchaos: %.1f%% of the answers since the fault came from %s", share * 100, mode)
+    return share >= min_share
 
 
 def queue_depth(run: ChaosRun) -> float:

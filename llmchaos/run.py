@@ -32,9 +32,19 @@ from llmchaos.backends.embedded import EmbeddedBackend
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.ledger import LEDGER_FILE, FaultEntry, FaultLedger, Undo
 from llmchaos.load import LoadConfig, LoadRun, Summary
+from llmchaos.load.api import find_load_processes
+from llmchaos.load.procs import start_ticks
 from llmchaos.settings import RunSettings
+from llmchaos.stack.procs import stop_pids
 
-__all__ = ["RUN_FILE", "ChaosRun", "NoActiveRun", "current_run", "planned_target"]
+__all__ = [
+    "RUN_FILE",
+    "ChaosRun",
+    "NoActiveRun",
+    "abandon_dead_runs",
+    "current_run",
+    "planned_target",
+]
 
 log = logging.getLogger("chaostoolkit")
 
@@ -96,6 +106,9 @@ class ChaosRun:
     notes: list[str] = field(default_factory=list)
     """Things the run decided or noticed, for the report (qps capped, guard tripped...)."""
     aborted_by_guard: str | None = None
+    interrupted_because: str | None = None
+    """Why the control interrupted the run (steady state unmet before the method, start
+    failed): the journal itself only says `interrupted`."""
     finished: bool = False
 
     # -- opening -------------------------------------------------------------------------
@@ -119,6 +132,7 @@ class ChaosRun:
         """(Re)write run.json: owner pid, status, what was started."""
         data = {
             "pid": os.getpid(),
+            "pid_start_ticks": start_ticks(os.getpid()),
             "status": status,
             "name": self.name,
             "title": self.title,
@@ -267,3 +281,42 @@ class ChaosRun:
         with _current_lock:
             if _current is self:
                 _current = None
+
+
+def abandon_dead_runs(runs_root: Path, dry_run: bool = False) -> list[str]:
+    """Finish what runs whose `chaos run` was killed left behind; one line per thing done.
+
+    A run counts as dead when run.json says running and its owner process is gone (or its
+    pid now belongs to another process). Its load processes are stopped and its open faults
+    closed: on the embedded stack every fault lives in the stack's processes and namespaces,
+    which the stack cleanup that follows removes. The run is then marked abandoned.
+    """
+    lines: list[str] = []
+    loads = find_load_processes()
+    for run_file in sorted(Path(runs_root).glob(f"*/{RUN_FILE}")):
+        try:
+            data = json.loads(run_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("status") != "running":
+            continue
+        started = data.get("pid_start_ticks")
+        if started is not None and start_ticks(int(data.get("pid", 0))) == started:
+            continue  # the owner still runs: not ours to clean
+        run_dir = run_file.parent.resolve()
+        pids = [pid for pid, where in loads.items() if Path(where).is_relative_to(run_dir)]
+        ledger = FaultLedger(run_dir / LEDGER_FILE)
+        faults = ledger.open_faults()
+        lines.append(
+            f"run {run_dir.name}: owner {data.get('pid')} gone; load processes "
+            f"{' '.join(map(str, pids)) or '-'}; open faults "
+            f"{', '.join(f'{f.fault}({f.target})' for f in faults) or '-'}"
+        )
+        if dry_run:
+            continue
+        stop_pids(pids, grace_s=3.0)
+        for fault in faults:
+            ledger.mark_undone(fault.id, by="cleanup (removed with the embedded stack)")
+        data["status"] = "abandoned"
+        run_file.write_text(json.dumps(data, indent=2))
+    return lines

@@ -14,16 +14,24 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+
+from chaoslib import substitute
+from chaoslib.configuration import load_configuration
+from chaoslib.exceptions import ChaosException
+from chaoslib.experiment import ensure_experiment_is_valid
 
 from llmchaos.backends import TargetInfo
 from llmchaos.errors import InvalidInput
-from llmchaos.settings import ERROR_CLASSES
+from llmchaos.run import planned_target
+from llmchaos.settings import ERROR_CLASSES, RunSettings
 
-__all__ = ["OUR_MODULES", "check_experiment"]
+__all__ = ["OUR_MODULES", "check_experiment", "validate_experiment_file"]
 
 OUR_MODULES = ("probes", "actions", "llmchaos")
 """Top-level packages whose activities are checked here."""
@@ -72,6 +80,7 @@ def _argument_checks(info: TargetInfo) -> dict[str, Callable[[Any], str | None]]
         "duration_s": _positive,
         "factor": _positive,
         "limit": _not_negative,
+        "min_share": lambda v: None if 0 <= v <= 1 else "expected a share within 0..1",
         "window_s": _not_negative,
         "timeout_s": _not_negative,
         "ttl_s": _not_negative,
@@ -107,8 +116,6 @@ def _check_activity(
     checks: dict[str, Callable[[Any], str | None]],
     info: TargetInfo,
 ) -> list[str]:
-    from chaoslib import substitute
-
     provider = activity.get("provider") or {}
     module_name = str(provider.get("module", ""))
     if provider.get("type") != "python" or module_name.split(".")[0] not in OUR_MODULES:
@@ -172,6 +179,52 @@ def check_experiment(
                 "at_most)"
             )
     checks = _argument_checks(info)
+    ours = False
     for place, activity in _activities(experiment):
+        module = str((activity.get("provider") or {}).get("module", ""))
+        ours = ours or module.split(".")[0] in ("probes", "actions")
         problems += _check_activity(place, activity, configuration, checks, info)
+    controls = experiment.get("controls") or []
+    declared = any(
+        isinstance(c, dict) and (c.get("provider") or {}).get("module") == "llmchaos.control"
+        for c in controls
+    )
+    if ours and not declared:
+        problems.append(
+            'controls: the llmchaos probes and actions need the control: "controls": [{"name": '
+            '"llmchaos", "provider": {"type": "python", "module": "llmchaos.control"}}]'
+        )
+    return problems
+
+
+def validate_experiment_file(path: Path) -> list[str]:
+    """Every problem of the experiment file at `path` (empty when it is fine): JSON, Chaos
+    Toolkit's own validation, the settings from its configuration, then check_experiment.
+    Never raises for a bad file: each problem is one line naming what is wrong."""
+    try:
+        experiment = json.loads(Path(path).read_text())
+    except OSError as exc:
+        return [f"cannot read the file: {exc.strerror}"]
+    except ValueError as exc:
+        return [f"not JSON: {exc}"]
+    if not isinstance(experiment, dict):
+        return [f"expected a JSON object (an experiment), got {type(experiment).__name__}"]
+    problems = []
+    try:
+        ensure_experiment_is_valid(experiment)
+    except ChaosException as exc:
+        problems.append(f"Chaos Toolkit: {exc}")
+    except Exception as exc:  # chaoslib assumes the shape it validates; mutated files break it
+        problems.append(f"Chaos Toolkit cannot read it: {type(exc).__name__}: {exc}")
+    try:
+        raw = experiment.get("configuration") or {}
+        if not isinstance(raw, dict):
+            return [*problems, "configuration: expected an object"]
+        configuration = load_configuration(raw)
+        settings = RunSettings.from_configuration(configuration)
+        problems += check_experiment(experiment, configuration, planned_target(settings))
+    except InvalidInput as exc:
+        problems.append(str(exc))
+    except Exception as exc:  # same as above: report, never a traceback
+        problems.append(f"cannot check it: {type(exc).__name__}: {exc}")
     return problems

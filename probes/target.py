@@ -5,7 +5,7 @@ from __future__ import annotations
 from llmchaos import measure
 from llmchaos.run import current_run
 
-__all__ = ["healthy_workers", "queue_depth", "serving_mode_share"]
+__all__ = ["healthy_workers", "queue_depth", "served_in_mode_since_fault", "serving_mode_share"]
 
 
 def queue_depth() -> float:
@@ -17,6 +17,13 @@ def serving_mode_share(mode: str = "cpu", window_s: float = 0.0, since_fault: bo
     """Share of answers served in `mode` (gpu or cpu), since the last fault by default: did
     the service degrade to CPU instead of failing?"""
     return measure.serving_mode_share(current_run(), mode, window_s, since_fault)
+
+
+def served_in_mode_since_fault(mode: str = "cpu", min_share: float = 0.01) -> bool:
+    """True when at least `min_share` of the answers since the last fault were served in
+    `mode`: the service degraded (to CPU) instead of failing. True before any fault, so it
+    can sit in the steady-state hypothesis with the tolerance `true`."""
+    return measure.served_in_mode_since_fault(current_run(), mode, min_share)
 
 
 def healthy_workers(mode: str = "") -> int:

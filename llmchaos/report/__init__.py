@@ -48,6 +48,7 @@ class RunFacts:
     """From the load's live window since the first fault (needs success instants the
     timeline does not keep), read before the load stopped."""
     guard: str | None
+    interrupted_because: str | None
     notes: Sequence[str]
     started_at: float
 
@@ -105,7 +106,7 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
     source = "probe" if recovery_time is not None else None
     if recovery_time is None and rec is not None and rec.recovered:
         recovery_time, source = rec.recovery_time_s, "timeline"
-    verdict, reasons = verdict_of(journal, facts.guard)
+    verdict, reasons = verdict_of(journal, facts.guard, facts.interrupted_because)
     origin = facts.load_start_ts or (records[0].ts if records else facts.started_at)
     result = RunResult(
         experiment=facts.name,

@@ -136,9 +136,11 @@ def hypothesis_outcome(journal: dict[str, Any] | None, phase: str) -> tuple[bool
     return False, "steady state not met"
 
 
-def verdict_of(journal: dict[str, Any] | None, guard: str | None) -> tuple[str, list[str]]:
+def verdict_of(
+    journal: dict[str, Any] | None, guard: str | None, interrupted_because: str | None = None
+) -> tuple[str, list[str]]:
     """pass/fail and the reasons; see the module docstring."""
-    reasons = []
+    reasons = [interrupted_because] if interrupted_because else []
     if journal is None:
         reasons.append("the experiment did not run to its end (no journal)")
     else:
@@ -149,7 +151,7 @@ def verdict_of(journal: dict[str, Any] | None, guard: str | None) -> tuple[str, 
         if journal.get("deviated") or after is False:
             reasons.append(f"deviated after the method: {why_after}")
         status = journal.get("status")
-        if status != "completed" and not reasons:
+        if status != "completed" and not reasons and not guard:
             reasons.append(f"journal status {status}")
     if guard:
         reasons.append(f"safety guard: {guard}")

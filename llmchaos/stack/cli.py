@@ -1,4 +1,4 @@
-"""`llmchaos stack up|status|down` and `llmchaos cleanup`."""
+"""`llmchaos stack up|status|down` (`llmchaos cleanup` is in llmchaos.run_cli)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import argparse
 import json
 from pathlib import Path
 
-from llmchaos.stack.cleanup import cleanup
 from llmchaos.stack.config import DEFAULT_VARIANT, VARIANTS, StackConfig
 from llmchaos.stack.stack import live_status, start_stack, stop_stack
 from llmchaos.stack.topology import Topology, find_state_dir
@@ -17,7 +16,7 @@ _DEFAULTS = StackConfig()
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the `stack` and `cleanup` commands to the llmchaos command line."""
+    """Add the `stack` command to the llmchaos command line."""
     stack = subparsers.add_parser("stack", help="the embedded reference serving stack")
     actions = stack.add_subparsers(dest="stack_command", required=True, metavar="ACTION")
 
@@ -54,14 +53,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     down = actions.add_parser("down", help="stop all that `stack up` started")
     _add_state_options(down)
     down.set_defaults(func=_down)
-
-    clean = subparsers.add_parser(
-        "cleanup", help="remove processes, namespaces and links left by crashed or killed runs"
-    )
-    clean.add_argument("--stack", metavar="ID", help="only this stack (default: all of them)")
-    clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
-    _add_state_root(clean)
-    clean.set_defaults(func=_cleanup)
 
 
 def _add_state_root(parser: argparse.ArgumentParser) -> None:
@@ -124,13 +115,4 @@ def _down(args: argparse.Namespace) -> int:
     topology = Topology.load(find_state_dir(args.state_root, args.state))
     stopped = stop_stack(topology)
     print(f"stack {topology.stack_id} down ({len(stopped)} processes stopped)")
-    return 0
-
-
-def _cleanup(args: argparse.Namespace) -> int:
-    report = cleanup(args.state_root, args.stack, dry_run=args.dry_run)
-    verb = "would remove" if args.dry_run else "removed"
-    print(f"cleanup {verb}:" if not report.empty else "cleanup: nothing left behind")
-    for line in report.lines():
-        print(f"  {line}")
     return 0
