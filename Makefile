@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
-# Until the Chaos Toolkit integration lands: start the stack, send a request, stop it.
+# The main job: one Chaos Toolkit experiment on the embedded stack (started and stopped by it).
+# Its run folder is printed at the end: reports/runs/<time>-gpu_kill/.
 demo: setup
-	$(BIN)/python scripts/demo.py
+	$(BIN)/chaos --log-file reports/chaostoolkit.log run experiments/gpu_kill.json \
+		--journal-path reports/journal.json
 
 test: setup
 	$(BIN)/ruff check .

@@ -234,8 +234,9 @@ class FaultImpact:
     peak_error_rate: float
     """Highest error rate of a rolling window after the fault."""
     failed_requests: int
-    """Failures (SLO classes) plus dropped sends scheduled from the fault until recovery (or
-    the end): the error budget the fault burned."""
+    """Failures (SLO classes) plus dropped sends of the requests scheduled from `in_flight_s`
+    before the fault (those may have been in flight when it hit) until recovery (or the end):
+    the error budget the fault burned."""
     cpu_mode_s: int
     """Seconds after the fault in which most answers came from CPU workers."""
     cpu_answers: int
@@ -252,14 +253,19 @@ def fault_impact(
     *,
     window_s: float = 5.0,
     until_ts: float | None = None,
+    in_flight_s: float = 0.0,
 ) -> FaultImpact:
-    """Impact of the fault at `fault_ts`; failures are counted up to `until_ts` (recovery)."""
+    """Impact of the fault at `fault_ts`; failures are counted from `in_flight_s` before it
+    up to `until_ts` (recovery)."""
     first = math.floor(fault_ts)
-    after = [r for r in _dense(records) if r.ts >= first]
+    dense = _dense(records)
+    after = [r for r in dense if r.ts >= first]
     windows = [w for w in rolling_windows(records, slo, window_s) if w.end_ts - 1 >= first]
     p99s = [w.p99_ms for w in windows if w.p99_ms is not None]
     failed = sum(
-        _failures(r, slo) + r.dropped for r in after if until_ts is None or r.ts < until_ts
+        _failures(r, slo) + r.dropped
+        for r in dense
+        if r.ts >= math.floor(fault_ts - in_flight_s) and (until_ts is None or r.ts < until_ts)
     )
     cpu_seconds = [r.ts for r in after if r.modes.get("cpu", 0) * 2 > sum(r.modes.values()) > 0]
     return FaultImpact(

@@ -99,7 +99,12 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
         last = max(fault_times)
         rec = recovery(records, last, slo, window_s=s.window_s, stable_for_s=s.stable_for_s)
         impact = fault_impact(
-            records, min(fault_times), slo, window_s=s.window_s, until_ts=rec.recovered_at_ts
+            records,
+            min(fault_times),
+            slo,
+            window_s=s.window_s,
+            until_ts=rec.recovered_at_ts,
+            in_flight_s=s.request_timeout_s,
         )
     probed = probe_output(journal, "after", "recovery_time_s")
     recovery_time = probed if isinstance(probed, int | float) else None

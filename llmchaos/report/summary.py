@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["RunResult", "hypothesis_outcome", "probe_output", "verdict_of"]
+
+_EXCEPTION_PREFIX = re.compile(r"^(?:(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*: )+")
+"""Dotted exception names Chaos Toolkit puts before a probe's error message."""
 
 
 @dataclass
@@ -131,7 +135,8 @@ def hypothesis_outcome(journal: dict[str, Any] | None, phase: str) -> tuple[bool
             name = run.get("activity", {}).get("name", "?")
             if run.get("status") == "failed":
                 error = (run.get("exception") or ["failed"])[-1].strip()
-                return False, f"{name}: {error}"
+                # "chaoslib.exceptions.ActivityFailed: llmchaos.measure.NotRecovered: ..."
+                return False, f"{name}: {_EXCEPTION_PREFIX.sub('', error)}"
             return False, f"{name} = {run.get('output')!r} is out of tolerance"
     return False, "steady state not met"
 

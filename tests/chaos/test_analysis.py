@@ -104,11 +104,14 @@ def test_a_window_with_nothing_answered_misses_the_slo() -> None:
 
 
 def test_fault_impact_counts_the_fault_not_the_rest() -> None:
-    records = [second(T0 + i) for i in range(10)]
+    records = [second(T0 + i, failed=1 if i in (3, 8) else 0) for i in range(10)]
     records += [second(T0 + 10 + i, ok=20, failed=30, cpu=15) for i in range(4)]
-    records += [second(T0 + 14 + i) for i in range(20)]
+    records += [second(T0 + 14 + i, failed=1) for i in range(20)]
     impact = fault_impact(records, T0 + 10.0, SLO, window_s=3, until_ts=T0 + 14)
     assert impact.failed_requests == 4 * 30
+    # requests scheduled up to `in_flight_s` before the fault may have been hit by it
+    impact = fault_impact(records, T0 + 10.0, SLO, window_s=3, until_ts=T0 + 14, in_flight_s=5)
+    assert impact.failed_requests == 4 * 30 + 1
     assert impact.cpu_mode_s == 4 and impact.cpu_answers == 60
     assert impact.gpu_return_s == 4.0
     assert impact.peak_error_rate == 0.6
