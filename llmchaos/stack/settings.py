@@ -81,8 +81,12 @@ CPU_PROFILE = EngineProfile(
     mode="cpu",
     max_num_seqs=16,
     kv_cache_tokens=40_000,
-    prefill_base_ms=600.0,
-    prefill_ms_per_token=0.3,
+    # 10x the GPU's costs; the fixed part of TTFT is mostly in the API overhead, which does
+    # not hold the batch, so a CPU pool under steady arrivals still decodes (a 600 ms prefill
+    # base would stall every step that admits a request)
+    api_overhead_ms=450.0,
+    prefill_base_ms=200.0,
+    prefill_ms_per_token=0.2,
     decode_base_ms=110.0,
     decode_ms_per_seq=2.0,
     load_s=1.0,
@@ -194,8 +198,12 @@ class GatewaySettings:
     """Longest silence from a worker once its response has started; above the clients' 8 s so
     a slow stream is the client's call, but a worker that stalls mid-body is not held forever."""
     worker_queue_allowance_ratio: float = 0.5
-    """A worker is at capacity at max_num_seqs * (1 + ratio) outstanding requests: up to half a
-    batch may wait in its queue (about half a request's time) before traffic spills to cpu."""
+    """A gpu worker is at capacity at max_num_seqs * (1 + ratio) outstanding requests: up to
+    half a batch may wait in its queue (about half a request's time) before traffic spills to
+    cpu."""
+    cpu_queue_allowance_ratio: float = 0.0
+    """The same for cpu workers: none. A cpu request takes seconds, so one queued behind a
+    full cpu batch would wait past the clients' timeout; beyond the batch the gateway sheds."""
     retry_after_s: int = 1
     """`Retry-After` of a 429 when shedding: one second is about one GPU request's duration."""
     redis_timeout_s: float = 1.0

@@ -317,9 +317,7 @@ async def test_full_cpu_fallback_sheds_instead_of_queueing(
 ) -> None:
     cpu = await upstreams("cpu-0", mode="cpu", max_num_seqs=2)
     cpu.hold = asyncio.Event()
-    settings = _settings(
-        redis_server, token_db, [refusing_worker(), cpu], worker_queue_allowance_ratio=0.0
-    )
+    settings = _settings(redis_server, token_db, [refusing_worker(), cpu])  # cpu: no queue
     async with running_gateway(settings) as gw:
         await _healthy(gw, gpu=0, cpu=1)
         held = [asyncio.ensure_future(gw.chat()) for _ in range(2)]

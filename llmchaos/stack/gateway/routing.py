@@ -12,7 +12,8 @@ Rules (also in the gateway's README section):
   passes readmits it early, so a worker restarted by its node agent is back within one health
   interval instead of `eject_s`.
 - capacity: a worker can take a request while outstanding < max_num_seqs * (1 + ratio), ratio
-  = `worker_queue_allowance_ratio` (max_num_seqs read from /healthz).
+  = `worker_queue_allowance_ratio` for gpu workers, `cpu_queue_allowance_ratio` (0) for cpu
+  ones (max_num_seqs read from /healthz).
 - selection: least outstanding among healthy gpu workers with capacity; else (cpu_fallback)
   healthy cpu workers with capacity; else the least loaded healthy gpu worker even though it
   is full (its queue is shorter to wait in than a cpu one), else a full cpu worker; else none
@@ -99,8 +100,11 @@ class WorkerPool:
     """All upstream workers of one gateway, with selection and health checking."""
 
     def __init__(self, settings: GatewaySettings) -> None:
-        ratio = max(0.0, settings.worker_queue_allowance_ratio)
-        self.workers = tuple(Worker(w, ratio) for w in settings.workers)
+        ratios = {
+            "gpu": max(0.0, settings.worker_queue_allowance_ratio),
+            "cpu": max(0.0, settings.cpu_queue_allowance_ratio),
+        }
+        self.workers = tuple(Worker(w, ratios[w.mode]) for w in settings.workers)
         self._gpu = tuple(w for w in self.workers if w.mode == "gpu")
         self._cpu = tuple(w for w in self.workers if w.mode == "cpu")
         self._cpu_fallback = settings.cpu_fallback
