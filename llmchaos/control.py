@@ -69,7 +69,10 @@ _session: _Session | None = None
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    if _session is not None and _session.run is not None:
+        _session.run.interrupted_because = f"interrupted by {name}"
+    raise KeyboardInterrupt(name)
 
 
 def _hold_signals(signum: int, _frame: FrameType | None) -> None:

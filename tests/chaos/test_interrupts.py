@@ -23,7 +23,12 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
+def _start(tmp_path: Path, rollbacks: bool = True) -> tuple[subprocess.Popen[str], Path]:
+    experiment = json.loads((REPO / "experiments" / "node_partition.json").read_text())
+    if not rollbacks:
+        experiment["rollbacks"] = []
+    path = tmp_path / "experiment.json"
+    path.write_text(json.dumps(experiment))
     runs = tmp_path / "runs"
     env = {
         **os.environ,
@@ -35,7 +40,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
         [
             str(BIN / "chaos"),
             "run",
-            str(REPO / "experiments" / "node_partition.json"),
+            str(path),
             "--journal-path",
             str(tmp_path / "journal.json"),
         ],
@@ -76,11 +81,15 @@ def _assert_nothing_left(run_dir: Path) -> dict[str, object]:
     return run
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    ("sig", "rollbacks"),
+    [(signal.SIGINT, True), (signal.SIGTERM, True), (signal.SIGTERM, False)],
+    ids=["SIGINT", "SIGTERM", "SIGTERM-no-rollbacks"],
+)
 def test_a_signal_during_the_fault_undoes_and_stops_everything(
-    tmp_path: Path, sig: signal.Signals, needs_netns: None
+    tmp_path: Path, sig: signal.Signals, rollbacks: bool, needs_netns: None
 ) -> None:
-    proc, runs = _start(tmp_path)
+    proc, runs = _start(tmp_path, rollbacks)
     log = tmp_path / "chaos.log"
     try:
         run_dir = _wait_for_fault(proc, runs, log)
@@ -93,12 +102,14 @@ def test_a_signal_during_the_fault_undoes_and_stops_everything(
     output = log.read_text()
     assert code == 1, output[-3000:]
     assert json.loads((tmp_path / "journal.json").read_text())["status"] == "interrupted"
-    assert "undone by control" in output
     run = _assert_nothing_left(run_dir)
     assert run["status"] == "finished"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["verdict"] == "fail"
+    assert summary["reasons"][0] == f"interrupted by {sig.name}"
+    # the rollback (strategy always) healed it, or else the control did from the ledger
     assert [f["state"] for f in summary["faults"]] == ["undone"]
+    assert ("fault 1 partition_node(node-a): undone by control" in output) != rollbacks
 
 
 def test_kill_9_then_cleanup_leaves_nothing(tmp_path: Path, needs_netns: None) -> None:
