@@ -134,7 +134,8 @@ class Series:
 
 
 class Prometheus:
-    """A client of one Prometheus server's HTTP API (blocking, stdlib only)."""
+    """A client of one Prometheus server's HTTP API (blocking, stdlib only). Every query
+    raises PrometheusUnreachable or PrometheusQueryError when it fails."""
 
     def __init__(self, settings: PrometheusSettings) -> None:
         self.settings = settings
@@ -205,7 +206,9 @@ class Prometheus:
         """POST one API call and return its `data`. POST: long PromQL does not meet URL limits."""
         url = f"{self._base}/api/v1/{endpoint}"
         timeout_s = self.settings.timeout_s
-        body = urllib.parse.urlencode({**params, "timeout": f"{timeout_s}s"}).encode()
+        # Prometheus durations take integers only ("5.0s" is a bad_data error): whole ms.
+        timeout = promql_duration(timeout_s)
+        body = urllib.parse.urlencode({**params, "timeout": timeout}).encode()
         request = urllib.request.Request(
             url,
             data=body,

@@ -5,7 +5,8 @@
     probes.target       queue_depth, serving_mode_share, healthy_workers   (target side)
     probes.recovery     recovery_time_s               (waits; its tolerance is the SLA)
     probes.tolerances   at_most, at_least             (tolerances that read configuration)
+    probes.prometheus   p99_latency_ms, error_rate, queue_depth, query   (PromQL; no control)
 
-They need the `llmchaos.control` control declared in the experiment (it starts the target and
-the load they measure).
+All but probes.prometheus need the `llmchaos.control` control declared in the experiment (it
+starts the target and the load they measure).
 """

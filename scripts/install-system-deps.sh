@@ -2,7 +2,7 @@
 # Install the system packages the embedded stack runs on, when they are missing.
 # Safe to run again: it installs nothing when everything is there.
 set -euo pipefail
-declare -A package_of=([redis-server]=redis-server [haproxy]=haproxy [iptables]=iptables [ip]=iproute2)
+declare -A package_of=([redis-server]=redis-server [haproxy]=haproxy [iptables]=iptables [ip]=iproute2 [prometheus]=prometheus)
 missing=()
 for tool in "${!package_of[@]}"; do
   command -v "$tool" >/dev/null 2>&1 || [[ -x /usr/sbin/$tool || -x /sbin/$tool ]] || missing+=("${package_of[$tool]}")
@@ -22,3 +22,10 @@ echo "installing system packages: ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# The packages' own services are not ours to run: tests start their own redis-server, haproxy
+# and prometheus on free ports. Stop and disable the packaged daemons where systemd started them.
+if [[ -d /run/systemd/system ]]; then
+  for service in redis-server haproxy prometheus; do
+    systemctl disable --now "$service" >/dev/null 2>&1 || true
+  done
+fi
