@@ -1,0 +1,262 @@
+"""deploy/: the manifests parse, match the client's API schema, fit the backend's defaults,
+and the RBAC rules grant exactly what KubernetesBackend sends (replayed against kmock)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client as k8s
+
+from llmchaos.backends.kubernetes import KubernetesBackend, KubernetesSettings, parse_selector
+from llmchaos.backends.kubernetes import selector_matches as matches
+from llmchaos.load.config import LoadConfig
+from llmchaos.stack.settings import GatewaySettings, settings_from_dict
+
+from .conftest import NS, Emulator, ExecResult
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+Doc = dict[str, Any]
+
+
+def documents() -> list[tuple[str, Doc]]:
+    docs = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs.append((path.name, doc))
+    return docs
+
+
+DOCS = documents()
+
+
+def find(kind: str, name: str) -> Doc:
+    for _, doc in DOCS:
+        if doc["kind"] == kind and doc["metadata"]["name"] == name:
+            return doc
+    raise AssertionError(f"deploy/ has no {kind} {name}")
+
+
+def lost_fields(source: Any, kept: Any, path: str = "") -> list[str]:
+    """Where `kept` (the object after the client's model) differs from `source`."""
+    if isinstance(source, dict):
+        if not isinstance(kept, dict):
+            return [f"{path}: not an object"]
+        problems = []
+        for key, value in source.items():
+            if key not in kept:
+                problems.append(f"{path}.{key}: unknown field")
+            else:
+                problems += lost_fields(value, kept[key], f"{path}.{key}")
+        return problems
+    if isinstance(source, list):
+        if not isinstance(kept, list) or len(kept) != len(source):
+            return [f"{path}: list changed"]
+        return [
+            p
+            for i, (a, b) in enumerate(zip(source, kept, strict=True))
+            for p in lost_fields(a, b, f"{path}[{i}]")
+        ]
+    return [] if source == kept else [f"{path}: {source!r} became {kept!r}"]
+
+
+def schema_problems(doc: Doc) -> list[str]:
+    """Round trip through the official client's model of the kind: unknown or mistyped fields
+    show up as lost or changed (the models ignore unknown keys, and reject wrong types)."""
+    version = doc["apiVersion"].split("/")[-1]
+    model = getattr(k8s, version.capitalize() + doc["kind"])
+    kept = k8s.ApiClient().sanitize_for_serialization(model.from_dict(doc))
+    return lost_fields(doc, kept)
+
+
+@pytest.mark.parametrize(
+    ("file", "doc"), DOCS, ids=[f"{f}:{d['kind']}/{d['metadata']['name']}" for f, d in DOCS]
+)
+def test_manifest_matches_the_api_schema(file: str, doc: Doc):
+    assert schema_problems(doc) == []
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    assert doc["metadata"].get("namespace") == (None if doc["kind"] in cluster_scoped else NS)
+    assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "llmchaos"
+
+
+def test_schema_check_catches_a_typo():
+    doc = json.loads(json.dumps(find("Deployment", "redis")))
+    doc["spec"]["template"]["spec"]["containers"][0]["imagee"] = "x"
+    assert schema_problems(doc) == [".spec.template.spec.containers[0].imagee: unknown field"]
+
+
+def test_files_apply_in_order_and_the_namespace_comes_first():
+    assert DOCS[0][1]["kind"] == "Namespace" and DOCS[0][1]["metadata"]["name"] == NS
+    assert [f for f, _ in DOCS] == sorted(f for f, _ in DOCS)
+
+
+def pod_template_labels(name: str) -> dict[str, str]:
+    return find("Deployment", name)["spec"]["template"]["metadata"]["labels"]
+
+
+def test_backend_defaults_select_the_manifests_pods():
+    settings = KubernetesSettings(allowed_namespaces=(NS,))
+    assert settings.namespace == NS
+    for field, deployment in [
+        ("gpu_selector", "vllm-gpu"),
+        ("cpu_selector", "vllm-cpu"),
+        ("gateway_selector", "gateway"),
+        ("redis_selector", "redis"),
+    ]:
+        selector = parse_selector(getattr(settings, field))
+        chosen = [
+            d["metadata"]["name"]
+            for _, d in DOCS
+            if d["kind"] == "Deployment"
+            and matches(selector, pod_template_labels(d["metadata"]["name"]))
+        ]
+        assert chosen == [deployment], field
+    assert find("Deployment", settings.gateway_deployment)
+    service = find("Service", "gateway")
+    assert (
+        settings.gateway_url
+        == f"http://gateway.{NS}.svc.cluster.local:{service['spec']['ports'][0]['port']}"
+    )
+
+
+def test_deployments_and_services_fit_together():
+    for _, doc in DOCS:
+        if doc["kind"] == "Deployment":
+            selector = doc["spec"]["selector"]["matchLabels"]
+            labels = doc["spec"]["template"]["metadata"]["labels"]
+            assert selector.items() <= labels.items(), doc["metadata"]["name"]
+        if doc["kind"] == "Service":
+            targets = [
+                d
+                for _, d in DOCS
+                if d["kind"] == "Deployment"
+                and doc["spec"]["selector"].items()
+                <= pod_template_labels(d["metadata"]["name"]).items()
+            ]
+            assert len(targets) == 1, doc["metadata"]["name"]
+            ports = {
+                p["name"]
+                for c in targets[0]["spec"]["template"]["spec"]["containers"]
+                for p in c.get("ports", [])
+            }
+            for port in doc["spec"]["ports"]:
+                assert port["targetPort"] in ports, (doc["metadata"]["name"], port)
+
+
+def test_gpu_deployment_requests_a_gpu_and_probes_health():
+    container = find("Deployment", "vllm-gpu")["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert {"name": "http", "containerPort": 8000} in container["ports"]
+    assert KubernetesSettings(allowed_namespaces=(NS,)).metrics_port == 8000
+    cpu = find("Deployment", "vllm-cpu")["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in json.dumps(cpu["resources"])
+
+
+def test_hpa_scales_gpu_pods_at_70_percent_gpu_utilisation():
+    hpa = find("HorizontalPodAutoscaler", "vllm-gpu")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "vllm-gpu",
+    }
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["pods"]["metric"]["name"] == "DCGM_FI_DEV_GPU_UTIL"
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "70"}
+
+
+def test_gateway_settings_load_as_the_gateway_would():
+    config = json.loads(find("ConfigMap", "gateway-settings")["data"]["gateway.json"])
+    settings = settings_from_dict(GatewaySettings, config, "gateway.json")
+    container = find("Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "http", "containerPort": settings.port} in container["ports"]
+    services = {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == "Service"}
+    for worker in settings.workers:
+        host, port = re.match(r"http://([^:/]+):(\d+)$", worker.url).groups()
+        assert int(port) == services[host]["spec"]["ports"][0]["port"]
+    assert settings.redis_url == "redis://redis:6379/0"
+
+
+def test_locust_master_and_workers_agree():
+    config = LoadConfig.from_json(find("ConfigMap", "locust-load")["data"]["load.json"])
+    master = find("Deployment", "locust-master")["spec"]["template"]["spec"]["containers"][0]
+    argv = shlex.split(master["args"][0])
+    workers = find("Deployment", "locust-worker")
+    replicas = workers["spec"]["replicas"]
+    assert argv[argv.index("--expect-workers") + 1] == str(replicas) == argv[argv.index("-u") + 1]
+    assert replicas >= 2 and config.qps / replicas <= 2500  # one process: ~2,500 QPS
+    assert argv[argv.index("--host") + 1] == config.url
+    assert argv[:5] == ["exec", "python", "-m", "locust", "-f"] and "--master" in argv
+    worker = workers["spec"]["template"]["spec"]["containers"][0]
+    assert "--worker" in worker["command"] and "--master-host=locust-master" in worker["command"]
+    assert config.live_host == "0.0.0.0" and config.live_port == 8090
+
+
+# -- RBAC: exactly what the backend sends ----------------------------------------------------
+def rbac_request(method: str, path: str) -> tuple[str, str, str, str | None]:
+    """(apiGroup, resource[/subresource], verb, namespace) of one API request."""
+    parts = path.strip("/").split("/")
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    namespace = None
+    if rest[0] == "namespaces" and len(rest) > 2:
+        namespace, rest = rest[1], rest[2:]
+    resource = rest[0]
+    name = rest[1] if len(rest) > 1 else None
+    if len(rest) > 2:
+        resource += "/" + rest[2]
+    verb = {"POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}.get(
+        method, "get" if name else "list"
+    )
+    return group, resource, verb, namespace
+
+
+def granted() -> set[tuple[str, str, str]]:
+    rules = (
+        find("Role", "llmchaos-chaos")["rules"]
+        + find("ClusterRole", "llmchaos-chaos-nodes")["rules"]
+    )
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_rbac_grants_exactly_the_verbs_the_backend_uses(
+    make_backend: Callable[..., KubernetesBackend], emulator: Emulator
+):
+    emulator.exec_answers["vllm-gpu-a"] = lambda c: ExecResult("77\n")
+    emulator.exec_answers["redis-0"] = lambda c: ExecResult("token:a\n" if "--scan" in c else "1\n")
+    emulator.metrics["vllm-gpu-b"] = "vllm:num_requests_waiting 1\n"
+    backend = make_backend()
+    backend.info()
+    backend.kill_gpu_process("vllm-gpu-a")  # exec
+    backend.kill_gpu_process("vllm-gpu-b")  # no exec answer: the delete fallback
+    backend.partition_node("node-c")
+    backend.heal_partition("node-c")
+    backend.crash_gateway("gateway-2")
+    backend.restore_gateway("gateway-2")
+    backend.expire_token_cache(0)
+    backend.queue_depth()
+    backend.healthy_workers()
+    backend.pod_recovery_times("app.kubernetes.io/component=engine-gpu", 0)
+    backend.available_replicas("gateway")
+    backend.gpu_allocatable("node-a")
+    backend.drain_node("node-a")  # cordon + eviction (404 here) + delete fallback
+    backend.uncordon_node("node-a")
+    used = {rbac_request(m, p) for m, p in emulator.requests}
+    assert {ns for *_, ns in used} <= {NS, None}  # only the stack's namespace, and nodes
+    used_rules = {(g, r, v) for g, r, v, _ in used}
+    # exec is a WebSocket GET: authorized as get (older API servers) or create (newer)
+    assert ("", "pods/exec", "get") in used_rules
+    used_rules.add(("", "pods/exec", "create"))
+    assert used_rules == granted()
