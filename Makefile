@@ -4,10 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+NODE_STAMP := node_modules/.installed-stamp
 
 .PHONY: setup system-deps demo test lint bench clean
 
-setup: system-deps $(STAMP)
+setup: system-deps $(STAMP) $(NODE_STAMP)
 
 system-deps:
 	@scripts/install-system-deps.sh
@@ -17,6 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
+
+# Allure 3 for the game-day report, exactly as package-lock.json pins it.
+$(NODE_STAMP): package-lock.json
+	npm ci --no-audit --no-fund --silent
+	@touch $(NODE_STAMP)
 
 # The main job: one Chaos Toolkit experiment on the embedded stack (started and stopped by it).
 # Its run folder is printed at the end: reports/runs/<time>-gpu_kill/.

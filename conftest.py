@@ -1,15 +1,23 @@
-"""Fixtures shared by tests/ and suites/: the embedded stack, started and always stopped."""
+"""Fixtures shared by tests/ and suites/: the embedded stack (started and always stopped), the
+experiment runner of the resilience suites and its Allure reporting, hypothesis profiles."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import allure
 import pytest
+from hypothesis import settings as hypothesis_settings
 
+from llmchaos.runner import ExperimentOutcome
+from llmchaos.runner import run_experiment as run_chaos_experiment
 from llmchaos.stack.config import StackConfig
 from llmchaos.stack.netns import check_netns_support
 from llmchaos.stack.stack import start_stack, stop_stack
@@ -20,10 +28,32 @@ TEST_STACK_CONFIG = StackConfig(port=0, gpu_load_s=1.5, cpu_load_s=0.5, ready_ti
 """Stacks in tests: any free port, short model loads (the restart gap still shows)."""
 
 StackFactory = Callable[..., Topology]
+ExperimentRunner = Callable[[Path, str], ExperimentOutcome]
 TMP_ROOT = REPO / "reports" / "pytest"
+ALLURE_RESULTS = REPO / "reports" / "allure-results"
+"""Where `pytest suites/` writes Allure results unless --alluredir says otherwise."""
+SUITE_ENV = "LLMCHAOS_SUITE_DIR"
+"""Folder for the suite's run folders (llmchaos gameday sets it); default reports/suites/<time>."""
+CI_RUN_ENV = {"LLMCHAOS_WARMUP_S": "5"}
+"""Shorter phases when CI is set: 5 s of warm-up instead of 8 (windows still fill)."""
+
+hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+hypothesis_settings.register_profile("dev", deadline=None)
+hypothesis_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    """The suites write Allure results by default (allure-pytest reads the option later), and
+    temporary files go to reports/pytest/."""
+    if getattr(config.option, "allure_report_dir", None) is None and any(
+        str(arg).startswith("suites") for arg in config.args
+    ):
+        config.option.allure_report_dir = str(ALLURE_RESULTS)
+    _set_basetemp(config)
+
+
+def _set_basetemp(config: pytest.Config) -> None:
     """Temporary files go to reports/pytest/run-<pid>/ instead of /tmp: nothing of a test run
     may stay outside the repo and reports/. One folder per run, so runs side by side do not
     clear each other's files; folders of finished runs are removed at the next start."""
@@ -88,3 +118,81 @@ def needs_netns(netns_available: bool) -> None:
         if os.environ.get("CI"):
             pytest.fail(f"CI runs as root and must test namespaces: {check_netns_support()}")
         pytest.skip(str(check_netns_support()))
+
+
+@pytest.fixture(scope="session")
+def suite_dir() -> Path:
+    """The session's folder of run folders: $LLMCHAOS_SUITE_DIR or reports/suites/<time>."""
+    configured = os.environ.get(SUITE_ENV)
+    path = (
+        Path(configured)
+        if configured
+        else REPO / "reports" / "suites" / time.strftime("%Y%m%d-%H%M%S")
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def run_experiment(suite_dir: Path, request: pytest.FixtureRequest) -> ExperimentRunner:
+    """Run an experiment file against a variant through `chaos run`, in its own folder."""
+
+    def run(path: Path, variant: str) -> ExperimentOutcome:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in request.node.name)
+        extra_env = CI_RUN_ENV if os.environ.get("CI") else {}
+        return run_chaos_experiment(
+            path, variant=variant, runs_root=suite_dir / name, extra_env=extra_env
+        )
+
+    return run
+
+
+_ATTACHMENTS = (
+    ("recovery.png", "recovery chart (PNG)", allure.attachment_type.PNG),
+    ("recovery.svg", "recovery chart (SVG)", allure.attachment_type.SVG),
+    ("timeline.csv", "timeline", allure.attachment_type.CSV),
+    ("summary.json", "summary", allure.attachment_type.JSON),
+    ("journal.json", "Chaos Toolkit journal", allure.attachment_type.JSON),
+    ("report.html", "run report", allure.attachment_type.HTML),
+)
+
+
+def report_outcome(outcome: ExperimentOutcome) -> None:
+    """Allure parameters, one step per Chaos Toolkit phase, and the run's files attached."""
+    result = outcome.result
+    if result is not None:
+        allure.dynamic.parameter("target", result.target)
+        allure.dynamic.parameter("variant", result.variant)
+        allure.dynamic.parameter("qps", f"{result.qps_run:g} (asked {result.qps_asked:g})")
+        allure.dynamic.parameter("SLA", f"{result.sla_s:g} s")
+        allure.dynamic.parameter("recovery time", f"{result.recovery_time_s} s")
+    journal = outcome.journal or {}
+    states = journal.get("steady_states") or {}
+    _phase_step("steady state before the method", (states.get("before") or {}).get("probes"))
+    _phase_step("method", journal.get("run"))
+    _phase_step("steady state after the method", (states.get("after") or {}).get("probes"))
+    _phase_step("rollbacks", journal.get("rollbacks"))
+    if outcome.run_dir is not None:
+        for file_name, title, kind in _ATTACHMENTS:
+            path = outcome.run_dir / file_name
+            if path.exists():
+                allure.attach.file(str(path), name=title, attachment_type=kind)
+    allure.attach.file(str(outcome.log_path), name="chaos run output", attachment_type="text/plain")
+
+
+def _phase_step(title: str, runs: list[dict[str, Any]] | None) -> None:
+    """A step for the phase with one sub-step per activity; failed ones are marked failed."""
+    if not runs:
+        return
+    with allure.step(title):
+        for run in runs:
+            activity = run.get("activity", {})
+            output = json.dumps(run.get("output"), default=str)[:200]
+            ok = run.get("status") == "succeeded" and run.get("tolerance_met", True)
+            try:
+                with allure.step(f"{activity.get('type')} {activity.get('name')}: {output}"):
+                    if not ok:
+                        error = (run.get("exception") or ["out of tolerance"])[-1].strip()
+                        raise AssertionError(error)
+            except AssertionError:
+                pass  # the step is marked failed; the test's verdict comes from the run

@@ -1,10 +1,12 @@
-"""`llmchaos validate` and `llmchaos cleanup`: the commands around Chaos Toolkit runs."""
+"""`llmchaos validate`, `llmchaos cleanup` and `llmchaos gameday`: the commands around Chaos
+Toolkit runs."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from llmchaos.gameday import SUITES, run_gameday
 from llmchaos.run import abandon_dead_runs
 from llmchaos.settings import RunSettings
 from llmchaos.stack.cleanup import cleanup
@@ -45,6 +47,29 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     clean.set_defaults(func=_cleanup)
 
+    gameday = subparsers.add_parser(
+        "gameday",
+        help="run the resilience suite, build the Allure report with trends; non-zero on any "
+        "SLA breach",
+    )
+    gameday.add_argument(
+        "--suite", default="nightly", choices=sorted(SUITES), help="which tests (default nightly)"
+    )
+    gameday.add_argument(
+        "--target",
+        default="embedded",
+        choices=["embedded", "k8s"],
+        help="the target every experiment runs against (default embedded)",
+    )
+    gameday.add_argument("--select", metavar="EXPR", help="only tests matching this pytest -k")
+    gameday.add_argument(
+        "--root",
+        type=Path,
+        default=Path("reports/gameday"),
+        help="folder of the game days and their history (default reports/gameday)",
+    )
+    gameday.set_defaults(func=_gameday)
+
 
 def _validate(args: argparse.Namespace) -> int:
     invalid = 0
@@ -69,3 +94,7 @@ def _cleanup(args: argparse.Namespace) -> int:
     for line in report.lines():
         print(f"  {line}")
     return 0
+
+
+def _gameday(args: argparse.Namespace) -> int:
+    return run_gameday(args.suite, target=args.target, select=args.select, root=args.root).exit_code

@@ -18,6 +18,7 @@ import json
 import math
 import typing
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,68 @@ from llmchaos.backends import TargetInfo
 from llmchaos.errors import InvalidInput
 from llmchaos.run import planned_target
 from llmchaos.settings import ERROR_CLASSES, RunSettings
+from llmchaos.stack.config import get_variant
 
-__all__ = ["OUR_MODULES", "check_experiment", "validate_experiment_file"]
+__all__ = [
+    "OUR_MODULES",
+    "SEVERITIES",
+    "ExperimentMeta",
+    "check_experiment",
+    "experiment_meta",
+    "validate_experiment_file",
+]
+
+SEVERITIES = ("blocker", "critical", "normal", "minor", "trivial")
+"""Allure's severity levels, which the suites report experiments under."""
+
+
+@dataclass(frozen=True)
+class ExperimentMeta:
+    """The experiment's `extensions` entry named "llmchaos": how the suites treat it.
+
+    "extensions": [{"name": "llmchaos", "fault_type": "gpu", "severity": "critical",
+                    "negative_controls": ["no-failover"]}]
+    """
+
+    fault_type: str = "other"
+    """What kind of thing breaks (gpu, network, gateway, auth-cache): the report's feature."""
+    severity: str = "normal"
+    """One of SEVERITIES: how bad it is when this experiment fails."""
+    negative_controls: tuple[str, ...] = ()
+    """Known-bad variants the experiment must FAIL against (its probes can fail)."""
+
+
+def experiment_meta(experiment: dict[str, Any]) -> ExperimentMeta:
+    """The llmchaos extension of `experiment`; raises InvalidInput naming the field."""
+    entries = [
+        e
+        for e in experiment.get("extensions") or []
+        if isinstance(e, dict) and e.get("name") == "llmchaos"
+    ]
+    if not entries:
+        return ExperimentMeta()
+    entry = entries[0]
+    fault_type = entry.get("fault_type", "other")
+    severity = entry.get("severity", "normal")
+    negatives = entry.get("negative_controls", [])
+    if not isinstance(fault_type, str) or not fault_type:
+        raise InvalidInput(f"extensions.llmchaos.fault_type: expected a name, got {fault_type!r}")
+    if severity not in SEVERITIES:
+        raise InvalidInput(
+            f"extensions.llmchaos.severity: expected one of {', '.join(SEVERITIES)}, "
+            f"got {severity!r}"
+        )
+    if not isinstance(negatives, list) or not all(isinstance(v, str) for v in negatives):
+        raise InvalidInput(
+            f"extensions.llmchaos.negative_controls: expected a list of variants, got {negatives!r}"
+        )
+    for variant in negatives:
+        try:
+            get_variant(variant)
+        except InvalidInput as exc:
+            raise InvalidInput(f"extensions.llmchaos.negative_controls: {exc}") from None
+    return ExperimentMeta(fault_type, severity, tuple(negatives))
+
 
 OUR_MODULES = ("probes", "actions", "llmchaos")
 """Top-level packages whose activities are checked here."""
@@ -220,6 +281,7 @@ def validate_experiment_file(path: Path) -> list[str]:
         raw = experiment.get("configuration") or {}
         if not isinstance(raw, dict):
             return [*problems, "configuration: expected an object"]
+        experiment_meta(experiment)
         configuration = load_configuration(raw)
         settings = RunSettings.from_configuration(configuration)
         problems += check_experiment(experiment, configuration, planned_target(settings))

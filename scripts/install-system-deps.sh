@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install the system packages the embedded stack runs on, when they are missing.
+# Install the system packages the embedded stack, its tests and the game-day report (Allure
+# on Node, checked in headless Chromium) need, when they are missing.
 # Safe to run again: it installs nothing when everything is there.
 set -euo pipefail
-declare -A package_of=([redis-server]=redis-server [haproxy]=haproxy [iptables]=iptables [ip]=iproute2 [prometheus]=prometheus)
+declare -A package_of=([redis-server]=redis-server [haproxy]=haproxy [iptables]=iptables [ip]=iproute2 [prometheus]=prometheus [chromium]=chromium [node]=nodejs [npm]=npm)
 missing=()
 for tool in "${!package_of[@]}"; do
   command -v "$tool" >/dev/null 2>&1 || [[ -x /usr/sbin/$tool || -x /sbin/$tool ]] || missing+=("${package_of[$tool]}")

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import REPO
 from llmchaos.validation import validate_experiment_file
@@ -163,3 +165,62 @@ def test_llmchaos_validate_command(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert f"{bad}: INVALID" in result.stdout and "gpu-9" in result.stdout
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path to a value inside the JSON document."""
+    out = [prefix] if prefix else []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            out += _paths(value, (*prefix, key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            out += _paths(value, (*prefix, i))
+    return out
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats(allow_nan=False) | st.text(),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(), children, max_size=3)
+    ),
+    max_leaves=5,
+)
+BASE = json.loads(GPU_KILL.read_text())
+PATHS = _paths(BASE)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(path=st.sampled_from(PATHS), value=json_values, delete=st.booleans())
+def test_mutated_experiments_give_clear_errors_never_a_traceback(
+    tmp_path: Path, path: tuple[Any, ...], value: Any, delete: bool
+) -> None:
+    experiment = copy.deepcopy(BASE)
+    parent = experiment
+    for key in path[:-1]:
+        parent = parent[key]
+    if delete and isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    target = tmp_path / "mutated.json"
+    target.write_text(json.dumps(experiment))
+    problems = validate_experiment_file(target)  # must not raise
+    for problem in problems:
+        assert isinstance(problem, str) and problem.strip()
+        assert "Traceback" not in problem
+
+
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(worker=st.text(min_size=1).filter(lambda w: w not in ("gpu-0", "gpu-1", "*")))
+def test_any_unknown_worker_is_named(tmp_path: Path, worker: str) -> None:
+    experiment = copy.deepcopy(BASE)
+    _method_args(experiment)["worker"] = worker
+    target = tmp_path / "mutated.json"
+    target.write_text(json.dumps(experiment))
+    problems = validate_experiment_file(target)
+    assert any("unknown GPU worker" in p and "method[0]" in p for p in problems), problems

@@ -1,0 +1,163 @@
+"""The resilience suite's plumbing and `llmchaos gameday`: a broken experiment is one failing
+test; Allure missing is a clear message; two game days give a report whose trends show both,
+checked in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import REPO
+from llmchaos import gameday
+from llmchaos.gameday import AllureMissing
+
+BIN = Path(sys.executable).parent
+CHROMIUM = Path("/usr/bin/chromium")
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def test_a_broken_experiment_is_one_failing_test(tmp_path: Path) -> None:
+    experiments = tmp_path / "experiments"
+    experiments.mkdir()
+    (experiments / "broken.json").write_text('{"title": "half a file", ')
+    good = json.loads((REPO / "experiments" / "gpu_kill.json").read_text())
+    good["configuration"]["qps"] = -1
+    (experiments / "bad_qps.json").write_text(json.dumps(good))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(REPO / "suites"),
+            "-m",
+            "resilience",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--alluredir",
+            str(tmp_path / "allure"),
+        ],
+        cwd=REPO,
+        env={**os.environ, "LLMCHAOS_EXPERIMENTS_DIR": str(experiments)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = result.stdout
+    assert result.returncode == 1, out[-3000:]
+    # broken.json: one test; bad_qps.json: its default and its negative control
+    assert out.splitlines()[-1].startswith("3 failed in"), out[-3000:]
+    assert "framework error: broken.json is not a valid experiment" in out
+    assert "not JSON" in out
+    assert "qps: expected a number > 0, got -1" in out
+    assert list((tmp_path / "allure").glob("*-result.json")), "the Allure results are written"
+
+
+def test_allure_missing_is_a_clear_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gameday, "ALLURE_BIN", tmp_path / "no" / "allure")
+    results = tmp_path / "allure-results"
+    results.mkdir()
+    with pytest.raises(AllureMissing) as raised:
+        gameday._generate_report(tmp_path, tmp_path, results)
+    assert "run `npm ci`" in str(raised.value)
+    assert str(results) in str(raised.value)
+
+
+def test_a_selection_that_matches_nothing_fails_the_game_day(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            str(BIN / "llmchaos"),
+            "gameday",
+            "--select",
+            "no_such_experiment",
+            "--root",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_two_game_days_give_a_report_with_both_in_its_trends(tmp_path: Path) -> None:
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail("CI must check the report in Debian's chromium (apt-get install chromium)")
+        pytest.skip("no /usr/bin/chromium")
+    root = tmp_path / "gameday"
+    for _ in range(2):
+        done = subprocess.run(
+            [
+                str(BIN / "llmchaos"),
+                "gameday",
+                "--select",
+                "gpu_kill and default and not all",
+                "--root",
+                str(root),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    days = [json.loads(line) for line in (root / "recovery-history.jsonl").read_text().splitlines()]
+    assert len({d["gameday"] for d in days}) == 2
+    assert len((root / "history.jsonl").read_text().splitlines()) == 2
+    _check_report_in_chromium(root / "latest" / "index.html", tmp_path)
+
+
+def _check_report_in_chromium(index: Path, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(index.as_uri())
+            # the recovery-time trend across game days, as its own result
+            page.get_by_text("gameday", exact=True).first.click()
+            page.get_by_text("recovery-time trend: gpu_kill").first.click()
+            description = page.frame_locator("[data-testid=test-result-description-frame]")
+            description.get_by_text("across 2 game day(s)").wait_for(timeout=10_000)
+            history = page.get_by_test_id("test-result-tab-history")
+            assert "1" in history.inner_text(), "Allure's history holds the first game day"
+            _opens_an_image(page, page.get_by_text("recovery-time trend", exact=True).last)
+            # the experiment itself, with its recovery chart
+            page.goto(index.as_uri())
+            for section in ("suites", "test_catalogue.py"):
+                page.get_by_text(section, exact=True).first.click()
+            page.get_by_text("gpu_kill on hardened (must pass)").first.click()
+            _opens_an_image(page, page.get_by_text("recovery chart (SVG)").first)
+            page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        finally:
+            browser.close()
+
+
+def _opens_an_image(page: Any, attachment: Any) -> None:
+    """Clicking the attachment's header shows one more image than before (its content)."""
+    images = page.locator("img[src^='data:'], img[src^='blob:']")
+    before = images.count()
+    attachment.click()
+    page.wait_for_function(
+        "n => document.querySelectorAll(\"img[src^='data:'], img[src^='blob:']\").length > n",
+        arg=before,
+        timeout=10_000,
+    )
