@@ -41,22 +41,22 @@ def kill_gpu_process(run: ChaosRun, worker: str = "", node: str = "") -> list[di
 def partition_node(run: ChaosRun, node: str) -> str:
     """Drop every packet in and out of `node` until heal_partition (or the run's end)."""
     info = run.target.info()
-    info.check_node(node)
+    real = info.node_name(node)
     if not info.partitions_supported:
         raise InvalidInput(
             "partition_node: nodes are not network namespaces here (run as root, netns auto)"
         )
-    with run.fault("partition_node", node, Undo("heal_partition", {"node": node})):
-        run.target.partition_node(node)
-    return node
+    with run.fault("partition_node", real, Undo("heal_partition", {"node": real})):
+        run.target.partition_node(real)
+    return real
 
 
 def heal_partition(run: ChaosRun, node: str) -> str:
     """Let `node`'s traffic through again (idempotent)."""
-    run.target.info().check_node(node)
-    run.target.heal_partition(node)
-    run.ledger.close_matching(Undo("heal_partition", {"node": node}), by="heal_partition")
-    return node
+    real = run.target.info().node_name(node)
+    run.target.heal_partition(real)
+    run.ledger.close_matching(Undo("heal_partition", {"node": real}), by="heal_partition")
+    return real
 
 
 def crash_gateway(run: ChaosRun, gateway: str = "primary") -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -29,7 +30,7 @@ from typing import Any
 
 from llmchaos.backends import Backend, TargetInfo
 from llmchaos.backends.embedded import EmbeddedBackend
-from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.errors import LLMChaosError
 from llmchaos.ledger import LEDGER_FILE, FaultEntry, FaultLedger, Undo
 from llmchaos.load import LoadConfig, LoadRun, Summary
 from llmchaos.load.api import find_load_processes
@@ -74,13 +75,39 @@ def current_run() -> ChaosRun:
 
 
 def planned_target(settings: RunSettings) -> TargetInfo:
-    """The target's names before it is started (for checking an experiment first)."""
+    """The target's names before anything changes (for checking an experiment first): the
+    embedded stack's layout, or what the cluster runs now (read-only API calls)."""
     if settings.target == "embedded":
         return EmbeddedBackend.planned_info(settings.stack_config())
-    raise InvalidInput(
-        f"target: {settings.target!r} is not available yet (only 'embedded'; Kubernetes "
-        "comes with issue 6)"
-    )
+    backend = _kubernetes_backend(settings)
+    try:
+        return backend.info()
+    finally:
+        backend.close()
+
+
+def _kubernetes_backend(settings: RunSettings) -> Backend:
+    from llmchaos.backends.kubernetes import KubernetesBackend
+
+    return KubernetesBackend(settings.kubernetes_settings())
+
+
+def _close_faults(ledger: FaultLedger, run_data: dict[str, Any]) -> list[str]:
+    """Undo a dead run's open faults through its cluster, or (embedded) mark them removed
+    with the stack, which the stack cleanup stops."""
+    faults = ledger.open_faults()
+    if run_data.get("target") != "k8s":
+        for fault in faults:
+            ledger.mark_undone(fault.id, by="cleanup (removed with the embedded stack)")
+        return []
+    if not faults:
+        return []
+    settings = RunSettings(target="k8s", k8s=dict(run_data["settings"]["k8s"]))
+    backend = _kubernetes_backend(settings)
+    try:
+        return ledger.undo_all(lambda undo: backend.undo(undo.op, undo.args), by="cleanup")
+    finally:
+        backend.close()
 
 
 def _slug(text: str) -> str:
@@ -153,11 +180,18 @@ class ChaosRun:
 
     # -- starting ------------------------------------------------------------------------
     def start_target(self) -> Backend:
-        """Start the embedded stack (the only target so far) and record it in run.json."""
-        if self.settings.target != "embedded":
-            planned_target(self.settings)  # raises the "not available" error
-        log.info("llmchaos: starting the embedded stack (variant %s)", self.settings.variant)
-        self.backend = EmbeddedBackend.start(self.settings.stack_config())
+        """Start the embedded stack, or connect to the cluster; recorded in run.json."""
+        if self.settings.target == "k8s":
+            k8s = self.settings.kubernetes_settings()
+            log.info(
+                "llmchaos: target Kubernetes namespace %s (allowed: %s)",
+                k8s.namespace,
+                ", ".join(k8s.allowed_namespaces),
+            )
+            self.backend = _kubernetes_backend(self.settings)
+        else:
+            log.info("llmchaos: starting the embedded stack (variant %s)", self.settings.variant)
+            self.backend = EmbeddedBackend.start(self.settings.stack_config())
         self.write_state("running")
         return self.backend
 
@@ -173,11 +207,13 @@ class ChaosRun:
             )
             self.notes.append(note)
             log.warning("llmchaos: %s", note)
+        # one Locust process carries ~2,500 QPS open loop here (llmchaos/load/README.md)
+        workers = max(s.load_workers, math.ceil(s.effective_qps / 2500))
         config = LoadConfig(
             url=backend.gateway_url,
             qps=s.effective_qps,
             duration_s=s.max_duration_s,
-            workers=s.load_workers,
+            workers=workers,
             profile=s.load_profile,
             tokens_file=backend.tokens_file,
             stream_share=s.stream_share,
@@ -269,9 +305,12 @@ class ChaosRun:
                 return None
 
     def stop_target(self) -> None:
+        """Stop the embedded stack; a cluster is left as it is (its faults are undone)."""
         if isinstance(self.backend, EmbeddedBackend):
             log.info("llmchaos: stopping the embedded stack")
             self.backend.stop()
+        elif self.backend is not None:
+            self.backend.close()
 
     def close(self, status: str) -> None:
         """Mark the run ended and no longer current."""
@@ -288,8 +327,9 @@ def abandon_dead_runs(runs_root: Path, dry_run: bool = False) -> list[str]:
 
     A run counts as dead when run.json says running and its owner process is gone (or its
     pid now belongs to another process). Its load processes are stopped and its open faults
-    closed: on the embedded stack every fault lives in the stack's processes and namespaces,
-    which the stack cleanup that follows removes. The run is then marked abandoned.
+    closed: on a cluster each is undone through the Kubernetes backend; on the embedded stack
+    every fault lives in the stack's processes and namespaces, which the stack cleanup that
+    follows removes. The run is then marked abandoned.
     """
     lines: list[str] = []
     loads = find_load_processes()
@@ -315,8 +355,7 @@ def abandon_dead_runs(runs_root: Path, dry_run: bool = False) -> list[str]:
         if dry_run:
             continue
         stop_pids(pids, grace_s=3.0)
-        for fault in faults:
-            ledger.mark_undone(fault.id, by="cleanup (removed with the embedded stack)")
+        lines += _close_faults(ledger, data)
         data["status"] = "abandoned"
         run_file.write_text(json.dumps(data, indent=2))
     return lines

@@ -8,6 +8,11 @@ Where each value comes from, first match wins:
    fields the experiment does not set;
 3. the default below.
 
+Kubernetes settings (`target: k8s`) are the fields of
+`llmchaos.backends.kubernetes.KubernetesSettings`, given as configuration keys `k8s_<field>`
+or environment variables `LLMCHAOS_K8S_<FIELD>` (e.g. LLMCHAOS_K8S_NAMESPACE,
+LLMCHAOS_K8S_ALLOWED_NAMESPACES=llm-serving, LLMCHAOS_K8S_GATEWAY_URL).
+
 Values from the environment are strings; they are converted to the field's type here, and a
 value that does not convert is an InvalidInput naming the key, the value and what is expected.
 A configuration key that is not a field but looks like one (`sla` for `sla_s`) is an error too:
@@ -22,16 +27,18 @@ import math
 import os
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from llmchaos.errors import InvalidInput
 from llmchaos.stack.config import StackConfig, get_variant
 
-__all__ = ["ENV_PREFIX", "ERROR_CLASSES", "RunSettings", "Target"]
+__all__ = ["ENV_PREFIX", "ERROR_CLASSES", "K8S_PREFIX", "RunSettings", "Target"]
 
 ENV_PREFIX = "LLMCHAOS_"
+K8S_PREFIX = "k8s_"
+"""Configuration keys of the Kubernetes backend's settings (environment: LLMCHAOS_K8S_...)."""
 Target = Literal["embedded", "k8s"]
 ERROR_CLASSES = ("5xx", "429", "timeout", "connection", "bad_body", "4xx")
 """Failure classes the load counts (see llmchaos.load.timeline.FAILURE_CLASSES)."""
@@ -68,6 +75,9 @@ class RunSettings:
     """Embedded SQLite connections per gateway: what a cache stampede queues on."""
     tenants: int = 8
     """Embedded tenants seeded in the token table."""
+    k8s: dict[str, Any] = field(default_factory=dict)
+    """Kubernetes backend settings (target k8s): KubernetesSettings fields by name, from the
+    `k8s_<field>` configuration keys and LLMCHAOS_K8S_<FIELD> variables (see the module doc)."""
 
     # -- the load ------------------------------------------------------------------------
     qps: float = 50.0
@@ -174,6 +184,8 @@ class RunSettings:
         if self.load_workers < 1:
             raise InvalidInput(f"load_workers: expected >= 1, got {self.load_workers}")
         self.stack_config()  # the embedded stack's own checks (worker counts, ...)
+        if self.target == "k8s":
+            self.kubernetes_settings()  # its own checks, before anything starts
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -207,6 +219,18 @@ class RunSettings:
             state_root=Path(self.stacks_root),
         )
 
+    def kubernetes_settings(self) -> Any:
+        """The Kubernetes backend's settings; raises InvalidInput naming the field. (Imported
+        here: the kubernetes client takes a third of a second to import.)"""
+        from llmchaos.backends.kubernetes import KubernetesSettings
+
+        if not self.k8s.get("allowed_namespaces"):
+            raise InvalidInput(
+                "k8s_allowed_namespaces (LLMCHAOS_K8S_ALLOWED_NAMESPACES): required with target "
+                "k8s, the namespaces the run may touch, e.g. llm-serving"
+            )
+        return KubernetesSettings.from_mapping(self.k8s)
+
     @classmethod
     def from_configuration(
         cls, configuration: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
@@ -219,15 +243,25 @@ class RunSettings:
         environ = os.environ if environ is None else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
+        k8s = {
+            key[len(ENV_PREFIX + K8S_PREFIX) :].lower(): value
+            for key, value in environ.items()
+            if key.startswith(ENV_PREFIX + K8S_PREFIX.upper())
+        }
+        k8s.update(
+            {k[len(K8S_PREFIX) :]: v for k, v in configuration.items() if k.startswith(K8S_PREFIX)}
+        )
         for key in configuration:
-            if key not in fields:
+            if key not in fields and not key.startswith(K8S_PREFIX):
                 close = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
                 if close:
                     raise InvalidInput(
                         f"configuration.{key}: not a setting; did you mean {close[0]!r}?"
                     )
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {"k8s": k8s}
         for name in fields:
+            if name == "k8s":
+                continue
             env_key = ENV_PREFIX + name.upper()
             if name in configuration:
                 values[name] = _convert(hints[name], configuration[name], f"configuration.{name}")

@@ -11,7 +11,7 @@ Chaos Toolkit). Every method that changes the target is undone by another one, n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from llmchaos.errors import InvalidInput
@@ -38,9 +38,17 @@ class TargetInfo:
     gateways: tuple[str, ...]
     partitions_supported: bool
     """False when nodes cannot be cut off (embedded stack without network namespaces)."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """The embedded stack's names (gpu-0, node-a, primary) for this target's own ones (pod
+    and node names), so the catalogue runs unchanged on a cluster."""
+
+    def _real(self, name: str) -> str:
+        """A real name stays itself (a cluster node may well be called node-a)."""
+        known = {*self.nodes, *(w.name for w in self.workers), *self.gateways}
+        return name if name in known else self.aliases.get(name, name)
 
     def gpu_workers(self, worker: str = "", node: str = "") -> list[str]:
-        """GPU workers selected by name ("*" = all) or by node.
+        """GPU workers selected by name ("*" = all) or by node; real names.
 
         Raises InvalidInput for unknown names or a selection with no GPU worker in it.
         """
@@ -51,22 +59,28 @@ class TargetInfo:
             picked = gpus
         elif worker:
             known = [w.name for w in gpus]
-            if worker not in known:
+            if self._real(worker) not in known:
                 raise InvalidInput(
                     f"worker: unknown GPU worker {worker!r}; GPU workers: {', '.join(known)}"
                 )
-            picked = [w for w in gpus if w.name == worker]
+            picked = [w for w in gpus if w.name == self._real(worker)]
         else:
-            self.check_node(node)
-            picked = [w for w in gpus if w.node == node]
+            real_node = self.node_name(node)
+            picked = [w for w in gpus if w.node == real_node]
         if not picked:
             raise InvalidInput(f"node {node!r} runs no GPU worker")
         return [w.name for w in picked]
 
+    def node_name(self, node: str) -> str:
+        """The real name of `node`; raises InvalidInput when it is not a node of the target."""
+        real = self._real(node)
+        if real not in self.nodes:
+            raise InvalidInput(f"node: unknown node {node!r}; nodes: {', '.join(self.nodes)}")
+        return real
+
     def check_node(self, node: str) -> None:
         """Raises InvalidInput when `node` is not a node of the target."""
-        if node not in self.nodes:
-            raise InvalidInput(f"node: unknown node {node!r}; nodes: {', '.join(self.nodes)}")
+        self.node_name(node)
 
     def gateway_names(self, gateway: str) -> list[str]:
         """Gateways selected by role or name: "primary", "all", or a gateway name."""
@@ -76,8 +90,8 @@ class TargetInfo:
             named = [g for g in self.gateways if g.endswith("-" + gateway)]
             if named:
                 return named
-        if gateway in self.gateways:
-            return [gateway]
+        if self._real(gateway) in self.gateways:
+            return [self._real(gateway)]
         raise InvalidInput(
             f"gateway: unknown gateway {gateway!r}; expected primary, all or one of "
             f"{', '.join(self.gateways)}"

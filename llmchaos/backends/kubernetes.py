@@ -649,11 +649,14 @@ class KubernetesBackend(Backend):
         nodes = {
             _node_of(p) for p in [*(p for _, p in inference), *gateways, *redis] if _node_of(p)
         }
+        workers = tuple(WorkerRef(p.metadata.name, mode, _node_of(p)) for mode, p in inference)
+        gateway_names = tuple(sorted(p.metadata.name for p in gateways))
         return TargetInfo(
             nodes=tuple(sorted(nodes)),
-            workers=tuple(WorkerRef(p.metadata.name, mode, _node_of(p)) for mode, p in inference),
-            gateways=tuple(p.metadata.name for p in gateways),
+            workers=workers,
+            gateways=gateway_names,
             partitions_supported=True,
+            aliases=_embedded_aliases(workers, sorted(nodes), gateway_names),
         )
 
     @property
@@ -1163,3 +1166,22 @@ def _load_api_client(settings: KubernetesSettings) -> k8s.ApiClient:
             + (f" (context {settings.context!r})" if settings.context else "")
             + f": {exc}"
         ) from None
+
+
+def _embedded_aliases(
+    workers: tuple[WorkerRef, ...], nodes: list[str], gateways: tuple[str, ...]
+) -> dict[str, str]:
+    """The embedded stack's names for this cluster's, so the catalogue's experiments run
+    unchanged: gpu-<i> / cpu-<i> = the i-th pod of the mode by name; node-a, node-b, ... =
+    the nodes of gpu-0, gpu-1, ... first (as on the embedded stack), then the others;
+    primary / backup = the first / second gateway pod by name."""
+    aliases: dict[str, str] = {}
+    for mode in ("gpu", "cpu"):
+        named = sorted(w.name for w in workers if w.mode == mode)
+        aliases.update({f"{mode}-{i}": name for i, name in enumerate(named)})
+    ordered = [aliases[f"gpu-{i}"] for i in range(len(workers)) if f"gpu-{i}" in aliases]
+    by_worker = {w.name: w.node for w in workers}
+    node_order = list(dict.fromkeys([by_worker[w] for w in ordered if by_worker[w]] + nodes))
+    aliases.update({f"node-{chr(ord('a') + i)}": n for i, n in enumerate(node_order[:26])})
+    aliases.update(dict(zip(("primary", "backup"), gateways, strict=False)))
+    return aliases
