@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NODE_STAMP := node_modules/.installed-stamp
 
-.PHONY: setup system-deps demo test lint bench clean
+.PHONY: setup system-deps demo test gameday lint bench clean
 
 setup: system-deps $(STAMP) $(NODE_STAMP)
 
@@ -30,9 +30,16 @@ demo: setup
 	$(BIN)/chaos --log-file reports/chaostoolkit.log run experiments/gpu_kill.json \
 		--journal-path reports/journal.json
 
+# The framework's own tests, then the catalogue as a resilience suite (Allure results in
+# reports/allure-results/). pytest's exit code 5 (nothing collected) fails here like any other.
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest suites -m resilience
+
+# The nightly game day: the suite, then the Allure report with trends (reports/gameday/latest/).
+gameday: setup
+	$(BIN)/llmchaos gameday
 
 lint: setup
 	$(BIN)/ruff check .

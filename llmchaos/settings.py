@@ -51,7 +51,7 @@ class RunSettings:
     # -- the target ---------------------------------------------------------------------
     target: Target = "embedded"
     """embedded: the reference stack on this machine, started and stopped by the run.
-    k8s: a cluster (issue 6)."""
+    k8s: a cluster, through the Kubernetes backend (settings in `k8s`)."""
     variant: str = "hardened"
     """Embedded stack variant; known-bad ones (naive-cache, no-cpu-fallback,
     no-backup-gateway, no-failover) are the negative controls."""

@@ -1,7 +1,7 @@
 """Targets that faults act on and target-side probes read: one `Backend` per kind of target.
 
     EmbeddedBackend    the reference stack on this machine (processes, netns, Redis, HAProxy)
-    (KubernetesBackend, issue 6)
+    KubernetesBackend  a cluster, through the official kubernetes client (kubernetes.py)
 
 The layer below `llmchaos`: backends know the target, not the run (no ledger, no load, no
 Chaos Toolkit). Every method that changes the target is undone by another one, named in
