@@ -1,0 +1,62 @@
+"""One direction of dependency: probes/ and actions/ -> llmchaos -> llmchaos.backends ->
+llmchaos.stack / llmchaos.load. Checked on the source, like an import-linter contract."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+RUN_LAYER = (
+    "llmchaos.control",
+    "llmchaos.run",
+    "llmchaos.measure",
+    "llmchaos.faults",
+    "llmchaos.report",
+    "llmchaos.validation",
+    "llmchaos.runner",
+    "llmchaos.gameday",
+    "llmchaos.settings",
+    "llmchaos.ledger",
+    "llmchaos.analysis",
+)
+"""The run layer of llmchaos: what backends, the stack and the load must not know."""
+
+CONTRACTS = [
+    ("llmchaos", ("probes", "actions")),
+    ("llmchaos/backends", RUN_LAYER),
+    ("llmchaos/stack", (*RUN_LAYER, "llmchaos.backends", "llmchaos.load")),
+    ("llmchaos/load", (*RUN_LAYER, "llmchaos.backends", "llmchaos.stack")),
+]
+ALLOWED = {"llmchaos.stack.tokens"}
+"""Shared on purpose: the load counts tokens exactly as the engine does."""
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize(("package", "forbidden"), CONTRACTS, ids=[c[0] for c in CONTRACTS])
+def test_imports_point_one_way(package: str, forbidden: tuple[str, ...]) -> None:
+    broken = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in sorted((REPO / package).rglob("*.py"))
+        for name in sorted(_imports(path))
+        if name not in ALLOWED and any(name == f or name.startswith(f + ".") for f in forbidden)
+    ]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_contract_can_fail(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from probes.slo import error_rate\nimport llmchaos.run\n")
+    assert _imports(bad) == {"probes.slo", "llmchaos.run"}
