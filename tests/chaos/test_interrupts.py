@@ -144,3 +144,45 @@ def test_kill_9_then_cleanup_leaves_nothing(tmp_path: Path, needs_netns: None) -
     assert "partition_node(node-a)" in result.stdout
     run = _assert_nothing_left(run_dir)
     assert run["status"] == "abandoned"
+
+
+def test_the_safety_guard_undoes_and_aborts_a_run_that_keeps_failing(tmp_path: Path) -> None:
+    """No backup gateway and the primary crashed: every request fails. The guard (here after
+    4 s above 50%) restores the gateway and stops the run before the recovery probe's wait."""
+    env = {
+        **os.environ,
+        "LLMCHAOS_RUNS_ROOT": str(tmp_path / "runs"),
+        "LLMCHAOS_STACKS_ROOT": str(tmp_path / "stacks"),
+        "LLMCHAOS_WARMUP_S": "3",
+        "LLMCHAOS_GUARD_FOR_S": "4",
+        "LLMCHAOS_NETNS": "off",
+    }
+    done = subprocess.run(
+        [
+            str(BIN / "chaos"),
+            "run",
+            "--var",
+            "variant=no-backup-gateway",
+            "--journal-path",
+            str(tmp_path / "journal.json"),
+            str(REPO / "experiments" / "gateway_crash.json"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert "safety guard: error rate above 50% for 4 s" in output
+    (run_dir,) = (tmp_path / "runs").glob("*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["guard"] and summary["guard"].startswith("error rate above 50% for 4 s")
+    assert summary["verdict"] == "fail" and summary["journal_status"] == "interrupted"
+    (fault,) = summary["faults"]
+    assert fault["state"] == "undone"
+    ledger = (run_dir / "ledger.jsonl").read_text()
+    assert '"by": "guard"' in ledger
+    assert json.loads((tmp_path / "journal.json").read_text())["status"] == "interrupted"
+    _assert_nothing_left(run_dir)

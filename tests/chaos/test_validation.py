@@ -224,3 +224,13 @@ def test_any_unknown_worker_is_named(tmp_path: Path, worker: str) -> None:
     target.write_text(json.dumps(experiment))
     problems = validate_experiment_file(target)
     assert any("unknown GPU worker" in p and "method[0]" in p for p in problems), problems
+
+
+def test_chaos_validate_accepts_the_catalogue() -> None:
+    chaos = str(Path(sys.executable).with_name("chaos"))
+    for path in EXPERIMENTS:
+        done = subprocess.run(
+            [chaos, "validate", str(path)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, f"{path.name}: {done.stderr[-2000:]}"
+        assert "experiment syntax and semantic look valid" in done.stderr
