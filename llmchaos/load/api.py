@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,6 +83,12 @@ def find_load_processes() -> dict[int, str]:
     return find_marked(LOAD_ENV)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def locust_command(config: LoadConfig) -> list[str]:
     """The Locust command line of a run (also what to adapt for Kubernetes masters)."""
     users = str(config.workers)
@@ -106,7 +113,11 @@ def locust_command(config: LoadConfig) -> list[str]:
         "--only-summary",
     ]
     if config.workers > 1:
-        cmd += ["--processes", users]
+        # a free port of our own: Locust's default 5557 makes two loads on one machine (two
+        # runs, a run and a benchmark) collide, and the second master dies at bind
+        port = str(_free_port())
+        cmd += ["--processes", users, "--master-bind-host", "127.0.0.1"]
+        cmd += ["--master-bind-port", port, "--master-host", "127.0.0.1", "--master-port", port]
     if config.web_ui_port is None:
         cmd += ["--headless"]
     else:
