@@ -31,7 +31,8 @@ StackFactory = Callable[..., Topology]
 ExperimentRunner = Callable[[Path, str], ExperimentOutcome]
 TMP_ROOT = REPO / "reports" / "pytest"
 ALLURE_RESULTS = REPO / "reports" / "allure-results"
-"""Where `pytest suites/` writes Allure results unless --alluredir says otherwise."""
+"""Where `pytest suites/` writes Allure results (emptied first) unless --alluredir says
+otherwise; `llmchaos gameday` keeps its own per night."""
 SUITE_ENV = "LLMCHAOS_SUITE_DIR"
 """Folder for the suite's run folders (llmchaos gameday sets it); default reports/suites/<time>."""
 CI_RUN_ENV = {"LLMCHAOS_WARMUP_S": "5"}
@@ -50,6 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
         str(arg).startswith("suites") for arg in config.args
     ):
         config.option.allure_report_dir = str(ALLURE_RESULTS)
+        config.option.clean_alluredir = True  # this run's results, not every run's
     _set_basetemp(config)
 
 
