@@ -182,7 +182,7 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
             records, windows, slo, marks, run_dir / "recovery", title
         )
     result.write(run_dir / "summary.json")
-    (run_dir / "report.html").write_text(render_html(result, journal, chart_svg))
+    (run_dir / "report.html").write_text(render_html(result, journal, chart_svg, s.to_dict()))
     return result
 
 

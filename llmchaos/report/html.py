@@ -25,16 +25,29 @@ def _row(name: str, value: Any) -> str:
     return f"<tr><th>{html.escape(name)}</th><td>{html.escape(str(value))}</td></tr>"
 
 
-def _probe_rows(journal: dict[str, Any] | None) -> str:
+def _tolerance(tolerance: Any, values: dict[str, Any]) -> str:
+    """A probe tolerance as `at_most(limit=10)`, `${...}` read from the run's settings (Chaos
+    Toolkit writes the probe's output into the tolerance as `value`: left out)."""
+    if not (isinstance(tolerance, dict) and tolerance.get("type") == "probe"):
+        return json.dumps(tolerance)
+    provider = tolerance.get("provider", {})
+    arguments = []
+    for name, value in provider.get("arguments", {}).items():
+        if name == "value":
+            continue
+        if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+            value = values.get(value[2:-1], value)
+        arguments.append(f"{name}={value}")
+    return f"{provider.get('func', tolerance.get('name'))}({', '.join(arguments)})"
+
+
+def _probe_rows(journal: dict[str, Any] | None, values: dict[str, Any]) -> str:
     rows = []
     for phase in ("before", "after"):
         state = ((journal or {}).get("steady_states") or {}).get(phase) or {}
         for run in state.get("probes", []):
             activity = run.get("activity", {})
-            tolerance = activity.get("tolerance")
-            if isinstance(tolerance, dict) and tolerance.get("type") == "probe":
-                arguments = tolerance.get("provider", {}).get("arguments", {})
-                tolerance = f"{tolerance.get('name', 'probe')} {json.dumps(arguments)}"
+            tolerance = _tolerance(activity.get("tolerance"), values)
             met = run.get("tolerance_met")
             error = (run.get("exception") or [""])[-1].strip()
             rows.append(
@@ -57,27 +70,21 @@ def _probe_rows(journal: dict[str, Any] | None) -> str:
     return f"<table>{head}{''.join(rows)}</table>"
 
 
-def render_html(result: RunResult, journal: dict[str, Any] | None, chart_svg: Path | None) -> str:
-    """The page; `chart_svg` is embedded by relative file name (it sits beside the page)."""
+def render_html(
+    result: RunResult,
+    journal: dict[str, Any] | None,
+    chart_svg: Path | None,
+    settings: dict[str, Any],
+) -> str:
+    """The page; `chart_svg` is embedded by relative file name (it sits beside the page);
+    `settings` (the run's, as a dict) resolves `${...}` in tolerances."""
     r = result
     figures = "".join(
         _row(name, value)
         for name, value in (
-            ("target", f"{r.target} / variant {r.variant}"),
-            ("load", f"{r.qps_run:g} QPS (experiment asked {r.qps_asked:g})"),
-            (
-                "recovery time",
-                "not recovered"
-                if r.recovered is False
-                else f"{r.recovery_time_s} s (SLA {r.sla_s:g} s, from {r.recovery_time_source})",
-            ),
-            ("detected after", f"{r.detected_after_s} s"),
-            ("worst P99", f"{r.worst_p99_ms} ms (SLO {r.slo['p99_ms']:g} ms)"),
-            ("peak error rate", f"{r.peak_error_rate} (SLO {r.slo['error_rate']})"),
-            ("failed requests during the fault", r.failed_requests),
-            ("frame drops (>= 3 s without a success)", r.frame_drops),
-            ("seconds in CPU mode / CPU answers", f"{r.cpu_mode_s} / {r.cpu_answers}"),
-            ("back on GPU after", f"{r.gpu_return_s} s"),
+            *r.figures(),
+            ("experiment asked", f"{r.qps_asked:g} QPS"),
+            ("recovery time from", r.recovery_time_source or "-"),
             ("journal status", f"{r.journal_status}, deviated: {r.deviated}"),
         )
     )
@@ -111,7 +118,7 @@ def render_html(result: RunResult, journal: dict[str, Any] | None, chart_svg: Pa
 <h2>Faults</h2>
 <table><tr><th>at</th><th>fault</th><th>target</th><th>state</th></tr>{faults}</table>
 <h2>Steady-state probes</h2>
-{_probe_rows(journal)}
+{_probe_rows(journal, settings)}
 {f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}
 <p>{files}</p>
 </body></html>

@@ -79,39 +79,44 @@ class RunResult:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    def table(self) -> str:
-        """A short plain-text table for the terminal."""
-
-        def fmt(value: Any, unit: str = "") -> str:
-            if value is None:
-                return "-"
-            if isinstance(value, float):
-                return f"{value:.3g}{unit}" if abs(value) < 1000 else f"{value:.0f}{unit}"
-            return f"{value}{unit}"
-
+    def figures(self) -> list[tuple[str, str]]:
+        """The key figures, formatted, for the terminal table and the HTML page."""
         recovery = (
             "not recovered"
             if self.recovered is False
-            else fmt(self.recovery_time_s, " s") + f" (SLA {self.sla_s:g} s)"
+            else _fmt(self.recovery_time_s, " s") + f" (SLA {self.sla_s:g} s)"
         )
+        error_rate = "-" if self.peak_error_rate is None else f"{self.peak_error_rate:.1%}"
+        return [
+            ("target", f"{self.target} / {self.variant}, {self.qps_run:g} QPS"),
+            ("recovery time", recovery),
+            ("detected after", _fmt(self.detected_after_s, " s")),
+            ("worst p99", _fmt(self.worst_p99_ms, " ms") + f" (SLO {self.slo['p99_ms']:g} ms)"),
+            ("peak error rate", f"{error_rate} (SLO {self.slo['error_rate']:.1%})"),
+            ("failed requests", _fmt(self.failed_requests)),
+            ("frame drops", _fmt(self.frame_drops)),
+            ("CPU mode", _fmt(self.cpu_mode_s, " s") + f", {_fmt(self.cpu_answers)} CPU answers"),
+            ("back on GPU after", _fmt(self.gpu_return_s, " s")),
+        ]
+
+    def table(self) -> str:
+        """A short plain-text table for the terminal."""
         rows = [
             ("verdict", self.verdict.upper() + "".join(": " + r for r in self.reasons[:1])),
             ("experiment", f"{self.title} [{self.experiment}]"),
-            ("target", f"{self.target} / {self.variant}, {self.qps_run:g} QPS"),
-            ("recovery time", recovery),
-            ("worst p99", fmt(self.worst_p99_ms, " ms") + f" (SLO {self.slo['p99_ms']:g} ms)"),
-            (
-                "peak error rate",
-                (f"{self.peak_error_rate:.1%}" if self.peak_error_rate is not None else "-")
-                + f" (SLO {self.slo['error_rate']:.1%})",
-            ),
-            ("failed requests", fmt(self.failed_requests)),
-            ("frame drops", fmt(self.frame_drops)),
-            ("CPU mode", fmt(self.cpu_mode_s, " s") + f", {fmt(self.cpu_answers)} CPU answers"),
+            *self.figures(),
             ("run folder", self.run_dir),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}{unit}" if abs(value) < 1000 else f"{value:.0f}{unit}"
+    return f"{value}{unit}"
 
 
 def probe_output(journal: dict[str, Any] | None, phase: str, func: str) -> Any:
