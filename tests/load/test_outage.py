@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 
 RUN_S = 20.0
 STALL_AT_S = 9.0  # after the server start: mid-run for both loads
-STALL_S = 3.0
+STALL_S = 3.5
+"""Over the 3 s frame-drop threshold with a margin: successes are placed on 100 ms slots, so a
+stall of exactly 3 s showed as a 2.9 s gap now and then and the frame drop went uncounted."""
 
 
 def closed_loop_locust(url: str, csv_prefix: Path, run_s: float) -> subprocess.Popen[bytes]:
@@ -82,11 +84,11 @@ def test_open_loop_p99_covers_a_stall_that_closed_loop_locust_hides(fake_server,
         f"closed loop: p99 {closed_p99_ms} ms of {closed_count} requests"
     )
 
-    # Open loop: 3 s of a 20 s schedule were due during the stall, and they waited it out.
+    # Open loop: 3.5 s of a 20 s schedule were due during the stall, and they waited it out.
     assert summary.accounting_closed and summary.ok == summary.scheduled == 2000
     assert summary.latency_ms["p99"] >= 2500, summary.latency_ms
     assert summary.latency_ms["p50"] < 200
-    assert summary.frame_drops >= 1  # ~3 s without a success
+    assert summary.frame_drops >= 1  # ~3.5 s without a success
     # Closed loop: each user had one request stuck, then nothing was sent: a calm p99.
     assert closed_count < 0.95 * 2000  # it sent less than asked (coordinated omission)
     assert closed_p99_ms < 500, closed_p99_ms
