@@ -110,15 +110,17 @@ def before_experiment_control(
     global _session
     _session = _Session()
     title = str(context.get("title", "experiment"))
+    # Chaos Toolkit swallows any other exception of a control and runs the experiment on
+    # without it, so every failure here becomes an interruption.
     try:
         settings = RunSettings.from_configuration(configuration)
         problems = check_experiment(context, dict(configuration or {}), planned_target(settings))
         if problems:
             raise InvalidInput("the experiment is invalid:\n  " + "\n  ".join(problems))
-    except InvalidInput as exc:
+        run = ChaosRun.open(settings, name or title, title)
+    except (LLMChaosError, OSError) as exc:
         _session = None
         raise InterruptExecution(f"llmchaos: {exc}") from None
-    run = ChaosRun.open(settings, name or title, title)
     _session.run = run
     if (context.get("runtime") or {}).get("rollbacks", {}).get("strategy") != "always":
         run.notes.append(
@@ -130,8 +132,9 @@ def before_experiment_control(
         run.start_target()
         run.start_load()
         run.warm_up()
-    except LLMChaosError as exc:
-        run.interrupted_because = f"could not start the run: {exc}"
+    except Exception as exc:  # see above: the experiment must not go on without its target
+        what = str(exc) if isinstance(exc, LLMChaosError) else f"{type(exc).__name__}: {exc}"
+        run.interrupted_because = f"could not start the run: {what}"
         raise InterruptExecution(f"llmchaos: {run.interrupted_because}") from None
     _start_guard(run)
 

@@ -129,3 +129,44 @@ def test_chaos_run_gateway_crash_on_k8s_by_configuration_only(
     assert fault["details"]["deleted_pod"] == fault["target"]
     deleted = [p for m, p in emulator.requests if m == "DELETE" and "/pods/" in p]
     assert any(p.endswith("/" + fault["target"]) for p in deleted), deleted
+
+
+def test_an_unreachable_cluster_stops_chaos_run_before_anything(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig.json"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    env = {
+        **os.environ,
+        **_k8s_env(kubeconfig),
+        "LLMCHAOS_K8S_REQUEST_TIMEOUT_S": "2",
+        "LLMCHAOS_RUNS_ROOT": str(tmp_path / "runs"),
+    }
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("chaos")),
+            "run",
+            "--journal-path",
+            str(tmp_path / "journal.json"),
+            str(REPO / "experiments" / "gpu_kill.json"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert "llmchaos:" in output and "127.0.0.1:9" in output, output[-3000:]
+    assert json.loads((tmp_path / "journal.json").read_text())["run"] == []
+    assert not (tmp_path / "runs").exists()
