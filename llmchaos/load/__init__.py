@@ -1,4 +1,4 @@
-"""Open-loop load for LLM serving, on Locust (issue 3).
+"""Open-loop load for LLM serving, on Locust.
 
 The public surface imports neither Locust nor gevent: Locust runs in a child process (see
 api.py), so importing this package from an asyncio program monkey-patches nothing.

@@ -2,9 +2,10 @@
 
 Locust's own users are closed-loop (a user waits for its answer before it sends again), so a
 stalled target makes them stop sending and their latency looks fine. This user never waits for
-answers: it sleeps until the next scheduled send time, hands the send to a greenlet of a bounded
-gevent Pool, and measures every request from its *scheduled* time. A send that starts late shows
-up as schedule lag; a send over the in-flight cap is counted as dropped.
+answers: it sleeps until the next scheduled send time, sends (one non-blocking send, see
+client.py; the answer is read in a callback of the gevent loop), and measures every request
+from its *scheduled* time. A send that starts late shows up as schedule lag; a send over the
+in-flight cap is counted as dropped.
 
 Imports gevent and Locust: only Locust processes import this module (via locustfile.py).
 Config, start time and live control reach it as Locust messages (see process.py), so the same
@@ -14,23 +15,20 @@ class runs unchanged on Locust workers in Kubernetes.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from typing import Any
 
 import gevent
 import gevent.event
-from geventhttpclient.connectionpool import ConnectionPool
-from geventhttpclient.response import HTTPConnectionClosed, HTTPParseError, HTTPSocketResponse
 from locust import User, task
 from locust.exception import StopUser
 
+from llmchaos.load.client import Client, Exchange
 from llmchaos.load.config import LoadConfig
 from llmchaos.load.profiles import build_profile
-from llmchaos.load.responses import Headers, classify, read_stream
 from llmchaos.load.schedule import ArrivalSchedule
 from llmchaos.load.timeline import Recorder
-from llmchaos.load.traffic import RequestSpec, TrafficModel, TrafficSpec, load_tenants
+from llmchaos.load.traffic import TrafficModel, TrafficSpec, load_tenants
 from llmchaos.load.wire import START_MESSAGE_WAIT_S, config_from_options, request_head, split_url
 
 __all__ = ["WORKER", "OpenLoopLLMUser"]
@@ -38,28 +36,7 @@ __all__ = ["WORKER", "OpenLoopLLMUser"]
 logger = logging.getLogger(__name__)
 
 _YIELD_EVERY = 64
-"""When behind schedule, let the send greenlets run at least every this many arrivals."""
-
-
-class _Deadline(Exception):
-    """The whole-request timeout fired."""
-
-
-class _PeekingPool(ConnectionPool):
-    """geventhttpclient's pool with a cheaper check of an idle connection before reuse."""
-
-    @staticmethod
-    def _is_socket_alive(sock: Any) -> bool:
-        # The stock check runs gevent's select() (watchers, a switch to the hub: ~6% of this
-        # user's CPU at 2500 QPS). One non-blocking peek tells the same: an idle keep-alive
-        # connection has nothing to read; b"" is the server's FIN, bytes are stale data. On the
-        # raw socket (`_sock`): gevent's recv would wait out the EAGAIN that means "alive".
-        try:
-            return not sock._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return True
-        except (OSError, ValueError):
-            return False
+"""When behind schedule, let the loop read answers at least every this many arrivals."""
 
 
 class WorkerState:
@@ -129,6 +106,7 @@ class OpenLoopLLMUser(User):
         finally:
             reporter.kill()
             self._send_report(sender.recorder, final=True)
+            sender.client.close()
         raise StopUser()
 
     def _run(self, schedule: ArrivalSchedule, sender: _Sender, duration_s: float) -> None:
@@ -145,7 +123,7 @@ class OpenLoopLLMUser(User):
             if delay > 0:
                 # At least one tick: the sends that fall due meanwhile go out together right
                 # after it (at most a tick late, and counted as lag), so one wake-up of the
-                # hub serves several requests instead of one.
+                # hub serves several requests instead of one. The answers are read meanwhile.
                 gevent.sleep(max(delay, tick_s))
                 since_yield = 0
             else:
@@ -159,8 +137,7 @@ class OpenLoopLLMUser(User):
                 recorder.dropped(sec)
             else:
                 recorder.launched()
-                # A raw greenlet: no Greenlet object or links, the cheapest way to start one.
-                gevent.spawn_raw(sender.send, sec, due)
+                sender.send(sec, due)  # never blocks: the answer is read in a loop callback
         self.next_due_s = None
 
     @staticmethod
@@ -195,7 +172,8 @@ def _traffic_spec(config: LoadConfig) -> TrafficSpec:
 
 
 class _Sender:
-    """Sends one request on a pooled keep-alive connection and records its outcome."""
+    """Sends one request at a time on a pooled keep-alive connection (client.Client) and
+    records each outcome once."""
 
     def __init__(self, config: LoadConfig, traffic: TrafficModel, stats_events: Any) -> None:
         self.config = config
@@ -204,94 +182,40 @@ class _Sender:
         self.recorder = Recorder()
         host, port, self.path = split_url(config.url)
         self.host_header = f"{host}:{port}"
-        # The per-request deadline (one gevent.Timeout) bounds every socket operation, so the
-        # sockets need no timeout of their own (each would cost a timer per recv).
-        self.connections = _PeekingPool(
-            host,
-            port,
-            host,
-            port,
-            size=config.inflight_cap,
-            connection_timeout=config.timeout_s,
-            network_timeout=None,  # type: ignore[arg-type]
-        )
+        self.client = Client(host, port, config.timeout_s, self._done)
 
     def send(self, sec: int, due: float) -> None:
         self.recorder.sent(sec, (time.monotonic() - due) * 1000.0)
         spec = self.traffic.next_request()
-        outcome, mode, ttft_ms, tokens_per_s = "connection", None, None, None
-        deadline = gevent.Timeout(self.config.timeout_s, _Deadline)
-        deadline.start()
-        try:
-            outcome, mode, ttft_ms, tokens_per_s = self._exchange(spec, due)
-        except _Deadline:
-            outcome = "timeout"
-        except TimeoutError:
-            outcome = "timeout"
-        except (OSError, HTTPConnectionClosed):
-            outcome = "connection"
-        except HTTPParseError:
-            outcome = "bad_body"
-        except Exception:
-            # A bug must not leave the request unaccounted; it is logged and counted.
-            logger.exception("unexpected error while sending a request")
-            outcome = "connection"
-        finally:
-            deadline.close()
-        now = time.monotonic()
+        exchange = Exchange(sec, due, spec.tenant, spec.stream)
+        self.client.request(request_head(self.path, self.host_header, spec) + spec.body, exchange)
+
+    def _done(
+        self,
+        ex: Exchange,
+        outcome: str,
+        mode: str | None,
+        ttft_ms: float | None,
+        tokens_per_s: float | None,
+        now: float,
+    ) -> None:
+        latency_ms = (now - ex.due) * 1000.0
         self.recorder.finished(
-            sec,
+            ex.sec,
             outcome,
-            (now - due) * 1000.0,
+            latency_ms,
             now - WORKER.start_mono,
             ttft_ms=ttft_ms,
             tokens_per_s=tokens_per_s,
             mode=mode,
-            tenant=spec.tenant,
+            tenant=ex.tenant,
         )
         if self.stats_events is not None:
             self.stats_events.request.fire(
                 request_type="POST",
                 name=self.path,
-                response_time=(now - due) * 1000.0,
+                response_time=latency_ms,
                 response_length=0,
                 exception=None if outcome == "ok" else RuntimeError(outcome),
                 context={},
             )
-
-    def _exchange(
-        self, spec: RequestSpec, due: float
-    ) -> tuple[str, str | None, float | None, float | None]:
-        sock = self.connections.get_socket()
-        reusable = False
-        try:
-            _send_all(sock, request_head(self.path, self.host_header, spec) + spec.body)
-            response = HTTPSocketResponse(
-                sock,
-                block_size=65536,
-                method="POST",
-                headers_type=Headers,  # type: ignore[arg-type]
-            )
-            status = response.status_code
-            mode = response.get("x-serving-mode")
-            ttft_ms = tokens_per_s = None
-            if status == 200 and spec.stream:
-                outcome, ttft_ms, tokens_per_s = read_stream(response, due)
-            else:
-                outcome = classify(status, response.read())
-            reusable = response.message_complete and not response.should_close()
-            return outcome, mode if isinstance(mode, str) else None, ttft_ms, tokens_per_s
-        finally:
-            # A connection left mid-response would hand stale bytes to the next request.
-            if reusable:
-                self.connections.return_socket(sock)
-            else:
-                self.connections.release_socket(sock)
-
-
-def _send_all(sock: Any, data: bytes) -> None:
-    """sock.sendall without its per-call getsockopt(SO_SNDBUF) and chunking (~4% of this
-    user's CPU): a request fits the loopback send buffer, so one send() normally takes it."""
-    view = memoryview(data)
-    while view:
-        view = view[sock.send(view) :]
