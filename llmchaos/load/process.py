@@ -23,6 +23,7 @@ from gevent.pywsgi import WSGIServer
 from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
+from llmchaos.files import write_json_atomic
 from llmchaos.load.aggregate import Aggregate
 from llmchaos.load.config import LoadConfig, default_run_dir
 from llmchaos.load.live import make_app
@@ -46,13 +47,6 @@ logger = logging.getLogger(__name__)
 _TICK_S = 0.5
 _OWNER_CHECK_S = 1.0
 """How often the master checks that the owner process is still there (one /proc read)."""
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 class Controller:
