@@ -235,8 +235,9 @@ class FaultImpact:
     """Highest error rate of a rolling window after the fault."""
     failed_requests: int
     """Failures (SLO classes) plus dropped sends of the requests scheduled from `in_flight_s`
-    before the fault (those may have been in flight when it hit) until recovery (or the end):
-    the error budget the fault burned."""
+    before the fault (those may have been in flight when it hit) until `until_ts` (the report
+    passes the end of the stable run that confirmed recovery, or none: the end): the error
+    budget the fault burned."""
     cpu_mode_s: int
     """Seconds after the fault in which most answers came from CPU workers."""
     cpu_answers: int

@@ -28,12 +28,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from chaoslib.exceptions import InterruptExecution
 
 from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.measure import window_error_rate
 from llmchaos.report import RunFacts, write_run_report
 from llmchaos.report.summary import hypothesis_outcome
 from llmchaos.run import ChaosRun, planned_target
@@ -61,17 +63,27 @@ class _Session:
         self.started_at = time.time()
         self.method_started = False
         self.guard_stop = threading.Event()
+        self.guard_lock = threading.Lock()
+        """Held by the guard while it acts and by the finish while it stops the guard, so
+        the two never undo at the same time."""
         self.guard_thread: threading.Thread | None = None
-        self.saved_handlers: dict[int, Any] = {}
+        self.before_state: dict[str, Any] | None = None
+        """The steady state before the method, kept for the journal when it failed there
+        (Chaos Toolkit records it only after the control has interrupted the run)."""
 
 
 _session: _Session | None = None
+_saved_handlers: dict[int, Any] = {}
+_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+"""Signals held off while a run is undone and stopped (SIGUSR1: a late safety-guard stop)."""
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
     name = signal.Signals(signum).name
     if _session is not None and _session.run is not None:
         _session.run.interrupted_because = f"interrupted by {name}"
+    # the rollbacks and the cleanup come next: a second Ctrl-C must not cut them short
+    _set_signals(_hold_signals, _HELD)
     raise KeyboardInterrupt(name)
 
 
@@ -83,20 +95,21 @@ def _hold_signals(signum: int, _frame: FrameType | None) -> None:
     )
 
 
-def _set_signals(handler: Any) -> None:
-    if threading.current_thread() is not threading.main_thread() or _session is None:
+def _set_signals(handler: Any, signals: tuple[int, ...]) -> None:
+    """Install `handler`, remembering the handlers found first (signals: main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
         return
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         previous = signal.signal(sig, handler)
-        _session.saved_handlers.setdefault(sig, previous)
+        _saved_handlers.setdefault(sig, previous)
 
 
 def _restore_signals() -> None:
-    if threading.current_thread() is not threading.main_thread() or _session is None:
+    if threading.current_thread() is not threading.main_thread():
         return
-    for sig, handler in _session.saved_handlers.items():
+    for sig, handler in _saved_handlers.items():
         signal.signal(sig, handler)
-    _session.saved_handlers.clear()
+    _saved_handlers.clear()
 
 
 def before_experiment_control(
@@ -118,16 +131,17 @@ def before_experiment_control(
         if problems:
             raise InvalidInput("the experiment is invalid:\n  " + "\n  ".join(problems))
         run = ChaosRun.open(settings, name or title, title)
-    except (LLMChaosError, OSError) as exc:
+    except Exception as exc:
         _session = None
-        raise InterruptExecution(f"llmchaos: {exc}") from None
+        what = str(exc) if isinstance(exc, LLMChaosError) else f"{type(exc).__name__}: {exc}"
+        raise InterruptExecution(f"llmchaos: {what}") from None
     _session.run = run
     if (context.get("runtime") or {}).get("rollbacks", {}).get("strategy") != "always":
         run.notes.append(
             "runtime.rollbacks.strategy is not 'always': an interrupted run skips the "
             "experiment's rollbacks (this control still undoes every fault in the ledger)"
         )
-    _set_signals(_interrupt)
+    _set_signals(_interrupt, (signal.SIGINT, signal.SIGTERM))
     try:
         run.start_target()
         run.start_load()
@@ -145,6 +159,7 @@ def after_hypothesis_control(
     """Before the method, an unmet steady state interrupts the run (a failure, exit 1)."""
     if _session is None or _session.method_started or not state:
         return
+    _session.before_state = state
     if state.get("steady_state_met") is False:
         _, why = hypothesis_outcome({"steady_states": {"before": state}}, "before")
         reason = f"steady state not met before the method: {why}"
@@ -159,8 +174,6 @@ def after_hypothesis_control(
 def before_method_control(context: dict[str, Any], **kwargs: Any) -> None:
     if _session is not None:
         _session.method_started = True
-        if _session.run is not None:
-            _session.run.method_started_ts = time.time()
 
 
 def after_experiment_control(
@@ -180,31 +193,50 @@ def _finish(journal: dict[str, Any] | None) -> None:
     session = _session
     if session is None:
         return
-    _session = None
     run = session.run
-    _set_signals(_hold_signals)
+    _set_signals(_hold_signals, _HELD)  # first: nothing may cut the cleanup short
     try:
-        session.guard_stop.set()
+        with session.guard_lock:
+            session.guard_stop.set()
+        if session.guard_thread is not None:
+            session.guard_thread.join(timeout=30)
+        states = (journal or {}).get("steady_states")
+        if isinstance(states, dict) and not states.get("before") and session.before_state:
+            states["before"] = session.before_state  # chaos writes the journal after us
         if run is not None and not run.finished:
             _finish_run(run, journal, session.started_at)
     finally:
+        _session = None
         if run is not None and not run.finished:
             run.close("failed")
         _restore_signals()
 
 
-def _finish_run(run: ChaosRun, journal: dict[str, Any] | None, started_at: float) -> None:
-    status = "finished"
+def _step(what: str, action: Callable[[], Any]) -> tuple[bool, Any]:
+    """Run one step of the finish; a failure is logged and the next steps still run."""
     try:
-        run.undo_faults(by="control")
-        frame_drops = None
-        first_fault = min((f.at for f in run.faults()), default=None)
-        if run.load is not None and run.load.running and first_fault is not None:
-            try:
-                frame_drops = int(run.load.window(since_ts=first_fault)["frame_drops"])
-            except LLMChaosError:
-                frame_drops = None
-        summary = run.stop_load()
+        return True, action()
+    except Exception:
+        log.exception("llmchaos: %s failed; going on with the rest of the cleanup", what)
+        return False, None
+
+
+def _frame_drops_since_fault(run: ChaosRun) -> int | None:
+    first_fault = min((f.at for f in run.faults()), default=None)
+    if run.load is None or not run.load.running or first_fault is None:
+        return None
+    return int(run.load.window(since_ts=first_fault)["frame_drops"])
+
+
+def _finish_run(run: ChaosRun, journal: dict[str, Any] | None, started_at: float) -> None:
+    """Undo, stop the load, report, stop the target: each step whatever became of the last.
+    The run is closed `finished`, or `faults-open` when an undo failed (llmchaos cleanup
+    tries those again), or `failed` when another step did."""
+    ok_undo, _ = _step("undoing the faults", lambda: run.undo_faults(by="control"))
+    ok_drops, frame_drops = _step("reading frame drops", lambda: _frame_drops_since_fault(run))
+    ok_load, summary = _step("stopping the load", run.stop_load)
+
+    def report() -> None:
         result = write_run_report(
             RunFacts(
                 name=run.name,
@@ -225,44 +257,55 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None, started_at: float
             journal,
         )
         print(f"\nllmchaos summary\n{result.table()}\n", flush=True)
-    except Exception:
-        status = "failed"
-        log.exception("llmchaos: finishing the run failed; stopping the target anyway")
-    finally:
-        try:
-            run.stop_target()
-        finally:
-            run.close(status)
+
+    ok_report, _ = _step("writing the report", report)
+    ok_target, _ = _step("stopping the target", run.stop_target)
+    if run.ledger.open_faults():
+        run.close("faults-open")
+    elif all((ok_undo, ok_drops, ok_load, ok_report, ok_target)):
+        run.close("finished")
+    else:
+        run.close("failed")
 
 
 def _start_guard(run: ChaosRun) -> None:
     assert _session is not None
-    stop = _session.guard_stop
-    thread = threading.Thread(target=_guard, args=(run, stop), name="llmchaos-guard", daemon=True)
+    args = (run, _session.guard_stop, _session.guard_lock)
+    thread = threading.Thread(target=_guard, args=args, name="llmchaos-guard", daemon=True)
     _session.guard_thread = thread
     thread.start()
 
 
-def _guard(run: ChaosRun, stop: threading.Event) -> None:
+def _guard_error_rate(run: ChaosRun) -> float:
+    """The worse of the last window and the last window whose requests have all timed out
+    or answered: a hanging target fails by timeouts, which show `request_timeout_s` late."""
+    s = run.settings
+    now = time.time()
+    recent = run.traffic.window(last_s=s.window_s)
+    settled_until = now - s.request_timeout_s - 1
+    settled = run.traffic.window(since_ts=settled_until - s.window_s, until_ts=settled_until)
+    return max(window_error_rate(w, s.error_classes) for w in (recent, settled))
+
+
+def _guard(run: ChaosRun, stop: threading.Event, lock: threading.Lock) -> None:
     """Abort the run when the error rate stays above the limit for too long."""
     s = run.settings
     above_since: float | None = None
     while not stop.wait(_GUARD_POLL_S):
         try:
-            window = run.traffic.window(last_s=s.window_s)
+            rate = _guard_error_rate(run)
         except LLMChaosError:
             continue
-        answered = window["ok"] + sum(window["failed"].values()) + window["dropped"]
-        failures = window["dropped"] + sum(
-            n for cls, n in window["failed"].items() if cls in s.error_classes
-        )
-        rate = failures / answered if answered else 0.0
         now = time.time()
         if rate <= s.guard_error_rate:
             above_since = None
             continue
         above_since = above_since or now
-        if now - above_since >= s.guard_for_s:
+        if now - above_since < s.guard_for_s:
+            continue
+        with lock:
+            if stop.is_set():  # the run is finishing: its own undo runs
+                return
             reason = (
                 f"error rate above {s.guard_error_rate:.0%} for {s.guard_for_s:g} s "
                 f"(last window {rate:.0%}): faults undone, run aborted"

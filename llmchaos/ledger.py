@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmchaos.errors import LLMChaosError
-
 __all__ = ["LEDGER_FILE", "FaultEntry", "FaultLedger", "Undo"]
 
 LEDGER_FILE = "ledger.jsonl"
@@ -72,14 +70,21 @@ class FaultLedger:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._lock = threading.Lock()
+        # reentrant: an inject allocates its id and appends under one hold of it
+        self._lock = threading.RLock()
 
     def _append(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, sort_keys=True) + "\n"
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as f:
-                f.write(line)
+            with self.path.open("a+b") as f:
+                # after a line cut off by a kill, start a new line rather than join it
+                f.seek(0, os.SEEK_END)
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        line = "\n" + line
+                f.write(line.encode())
                 f.flush()
                 os.fsync(f.fileno())
 
@@ -137,17 +142,18 @@ class FaultLedger:
         dict with details (pids, keys); they are recorded with the outcome. An exception in
         the body is recorded as `failed` and raised again.
         """
-        fault_id = len(self.entries()) + 1
-        self._append(
-            {
-                "event": "inject",
-                "id": fault_id,
-                "at": time.time(),
-                "fault": fault,
-                "target": target,
-                "undo": {"op": undo.op, "args": undo.args} if undo else None,
-            }
-        )
+        with self._lock:
+            fault_id = max((e.id for e in self.entries()), default=0) + 1
+            self._append(
+                {
+                    "event": "inject",
+                    "id": fault_id,
+                    "at": time.time(),
+                    "fault": fault,
+                    "target": target,
+                    "undo": {"op": undo.op, "args": undo.args} if undo else None,
+                }
+            )
         details: dict[str, Any] = {}
         try:
             yield details
@@ -178,15 +184,15 @@ class FaultLedger:
     def undo_all(self, run_undo: Callable[[Undo], None], by: str) -> list[str]:
         """Undo every open fault, most recent first. Returns one line per fault.
 
-        An undo that fails is reported and left open (so a later cleanup tries again); the
-        others still run.
+        An undo that fails, whatever the error, is reported and left open (so a later cleanup
+        tries again); the others still run.
         """
         report = []
         for entry in self.open_faults():
             assert entry.undo is not None
             try:
                 run_undo(entry.undo)
-            except (LLMChaosError, OSError) as exc:
+            except Exception as exc:  # one broken undo must not keep the others from running
                 report.append(f"fault {entry.id} {entry.fault}({entry.target}): undo FAILED: {exc}")
                 continue
             self.mark_undone(entry.id, by)

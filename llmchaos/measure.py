@@ -18,7 +18,7 @@ from typing import Any
 from llmchaos.analysis import SecondRecord, Slo, recovery, rolling_windows
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.run import ChaosRun
-from llmchaos.settings import ERROR_CLASSES
+from llmchaos.settings import ERROR_CLASSES, as_number
 
 __all__ = [
     "NotRecovered",
@@ -33,6 +33,7 @@ __all__ = [
     "serving_mode_share",
     "slo",
     "ttft_p99_ms",
+    "window_error_rate",
     "worst_p99_ms_since_fault",
 ]
 
@@ -63,6 +64,7 @@ _EMPTY_WINDOW: dict[str, Any] = {
 
 
 def _window(run: ChaosRun, window_s: float, since_fault: bool) -> dict[str, Any]:
+    window_s = as_number("window_s", window_s)
     if window_s < 0:
         raise InvalidInput(f"window_s: expected seconds >= 0, got {window_s}")
     if since_fault:
@@ -97,11 +99,16 @@ def error_rate(
     unknown = sorted(set(chosen) - set(ERROR_CLASSES))
     if unknown:
         raise InvalidInput(f"classes: unknown {unknown}; expected some of {list(ERROR_CLASSES)}")
-    w = _window(run, window_s, since_fault)
-    answered = w["ok"] + sum(w["failed"].values())
-    failures = sum(n for cls, n in w["failed"].items() if cls in chosen) + w["dropped"]
-    total = answered + w["dropped"]
-    return round(failures / total, 5) if total else 0.0
+    return window_error_rate(_window(run, window_s, since_fault), chosen)
+
+
+def window_error_rate(window: dict[str, Any], classes: tuple[str, ...]) -> float:
+    """Failed share of a load window: failures of `classes` plus dropped sends, over the
+    requests answered plus dropped (0 when there were none)."""
+    answered = window["ok"] + sum(window["failed"].values())
+    failures = sum(n for cls, n in window["failed"].items() if cls in classes)
+    total = answered + window["dropped"]
+    return round((failures + window["dropped"]) / total, 5) if total else 0.0
 
 
 def frame_drops(run: ChaosRun, window_s: float = 0.0, since_fault: bool = True) -> int:
@@ -126,6 +133,7 @@ def serving_mode_share(
 def served_in_mode_since_fault(run: ChaosRun, mode: str = "cpu", min_share: float = 0.01) -> bool:
     """Since the last fault, at least `min_share` of the answers came from `mode` workers
     (did the service degrade to CPU rather than fail?). True before any fault."""
+    min_share = as_number("min_share", min_share)
     if not 0 <= min_share <= 1:
         raise InvalidInput(f"min_share: expected a share within 0..1, got {min_share}")
     if run.last_fault_ts() is None:
@@ -157,6 +165,7 @@ def recovery_time_s(run: ChaosRun, timeout_s: float = 0.0) -> float:
     Waits for it, up to `timeout_s` after the fault (0: the run's recovery deadline). With no
     fault yet, checks nothing and returns 0. Raises NotRecovered at the deadline.
     """
+    timeout_s = as_number("timeout_s", timeout_s)
     fault_ts = run.last_fault_ts()
     if fault_ts is None:
         return 0.0

@@ -3,7 +3,8 @@
     run = ChaosRun.open(settings, "gpu_kill", title)      # reports/runs/<time>-gpu_kill/
     run.start_target(); run.start_load(); run.warm_up()
     ... probes and actions use current_run() ...
-    result = run.finish(journal)                          # undo, stop, analyse, report
+    run.undo_faults(...); run.stop_load(); run.stop_target(); run.close(status)
+                                                          # (the control, with the report)
 
 The control (llmchaos.control) drives these steps; probes and actions reach the run through
 `current_run()`, since Chaos Toolkit calls them as plain functions in the same process.
@@ -31,6 +32,7 @@ from typing import Any
 from llmchaos.backends import Backend, TargetInfo
 from llmchaos.backends.embedded import EmbeddedBackend
 from llmchaos.errors import LLMChaosError
+from llmchaos.files import write_json_atomic
 from llmchaos.ledger import LEDGER_FILE, FaultEntry, FaultLedger, Undo
 from llmchaos.load import LoadConfig, LoadRun, Summary
 from llmchaos.load.api import find_load_processes
@@ -96,6 +98,10 @@ def _close_faults(ledger: FaultLedger, run_data: dict[str, Any]) -> list[str]:
     """Undo a dead run's open faults through its cluster, or (embedded) mark them removed
     with the stack, which the stack cleanup stops."""
     faults = ledger.open_faults()
+    for fault in faults:
+        if fault.undo is not None and fault.undo.op in LOAD_UNDO_OPS:
+            ledger.mark_undone(fault.id, by="cleanup (the load is gone)")
+    faults = ledger.open_faults()
     if run_data.get("target") != "k8s":
         for fault in faults:
             ledger.mark_undone(fault.id, by="cleanup (removed with the embedded stack)")
@@ -129,7 +135,6 @@ class ChaosRun:
     load_start_ts: float | None = None
     current_qps: float = 0.0
     """The load's rate now (actions may change it)."""
-    method_started_ts: float | None = None
     notes: list[str] = field(default_factory=list)
     """Things the run decided or noticed, for the report (qps capped, guard tripped...)."""
     aborted_by_guard: str | None = None
@@ -169,9 +174,7 @@ class ChaosRun:
             "settings": self.settings.to_dict(),
             **extra,
         }
-        tmp = self.run_dir / (RUN_FILE + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(self.run_dir / RUN_FILE)
+        write_json_atomic(self.run_dir / RUN_FILE, data)
 
     def _stack_state_dir(self) -> str | None:
         if isinstance(self.backend, EmbeddedBackend):
@@ -326,7 +329,8 @@ def abandon_dead_runs(runs_root: Path, dry_run: bool = False) -> list[str]:
     """Finish what runs whose `chaos run` was killed left behind; one line per thing done.
 
     A run counts as dead when run.json says running and its owner process is gone (or its
-    pid now belongs to another process). Its load processes are stopped and its open faults
+    pid now belongs to another process); a run that ended with an undo that failed
+    (`faults-open`) is tried again too. Its load processes are stopped and its open faults
     closed: on a cluster each is undone through the Kubernetes backend; on the embedded stack
     every fault lives in the stack's processes and namespaces, which the stack cleanup that
     follows removes. The run is then marked abandoned.
@@ -338,10 +342,12 @@ def abandon_dead_runs(runs_root: Path, dry_run: bool = False) -> list[str]:
             data = json.loads(run_file.read_text())
         except (OSError, ValueError):
             continue
-        if data.get("status") != "running":
+        status = data.get("status")
+        if status not in ("running", "faults-open"):
             continue
         started = data.get("pid_start_ticks")
-        if started is not None and start_ticks(int(data.get("pid", 0))) == started:
+        owner_alive = started is not None and start_ticks(int(data.get("pid", 0))) == started
+        if status == "running" and owner_alive:
             continue  # the owner still runs: not ours to clean
         run_dir = run_file.parent.resolve()
         pids = [pid for pid, where in loads.items() if Path(where).is_relative_to(run_dir)]
@@ -355,7 +361,10 @@ def abandon_dead_runs(runs_root: Path, dry_run: bool = False) -> list[str]:
         if dry_run:
             continue
         stop_pids(pids, grace_s=3.0)
-        lines += _close_faults(ledger, data)
-        data["status"] = "abandoned"
-        run_file.write_text(json.dumps(data, indent=2))
+        try:
+            lines += _close_faults(ledger, data)
+        except LLMChaosError as exc:  # a cluster out of reach: say so, go on with the rest
+            lines.append(f"run {run_dir.name}: faults left open: {exc}")
+        data["status"] = "faults-open" if ledger.open_faults() else "abandoned"
+        write_json_atomic(run_file, data)
     return lines

@@ -18,7 +18,7 @@ _DEFAULTS = RunSettings()
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the `validate` and `cleanup` commands to the llmchaos command line."""
+    """Add the `validate`, `cleanup` and `gameday` commands to the llmchaos command line."""
     validate = subparsers.add_parser(
         "validate",
         help="check experiments as Chaos Toolkit does, and against the target's names",

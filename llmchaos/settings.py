@@ -34,7 +34,7 @@ from typing import Any, Literal
 from llmchaos.errors import InvalidInput
 from llmchaos.stack.config import StackConfig, get_variant
 
-__all__ = ["ENV_PREFIX", "ERROR_CLASSES", "K8S_PREFIX", "RunSettings", "Target"]
+__all__ = ["ENV_PREFIX", "ERROR_CLASSES", "K8S_PREFIX", "RunSettings", "Target", "as_number"]
 
 ENV_PREFIX = "LLMCHAOS_"
 K8S_PREFIX = "k8s_"
@@ -325,3 +325,18 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
             raise InvalidInput(f"{where}: expected a string, got {value!r}")
         return str(value)
     return value
+
+
+def as_number(name: str, value: object) -> float:
+    """`value` as a finite float. Chaos Toolkit hands `${...}` from an env entry or `--var`
+    to probes and actions as a string ("45"), so strings of numbers are numbers here.
+    Raises InvalidInput naming the argument."""
+    if not isinstance(value, bool):
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            pass
+        else:
+            if math.isfinite(number):
+                return number
+    raise InvalidInput(f"{name}: expected a number, got {value!r}")

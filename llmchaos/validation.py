@@ -30,7 +30,7 @@ from chaoslib.experiment import ensure_experiment_is_valid
 from llmchaos.backends import TargetInfo
 from llmchaos.errors import InvalidInput
 from llmchaos.run import planned_target
-from llmchaos.settings import ERROR_CLASSES, RunSettings
+from llmchaos.settings import ERROR_CLASSES, RunSettings, as_number
 from llmchaos.stack.config import get_variant
 
 __all__ = [
@@ -117,11 +117,11 @@ def _activities(experiment: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any
 
 
 def _positive(value: Any) -> str | None:
-    return None if value > 0 else "expected a number > 0"
+    return None if as_number("", value) > 0 else "expected a number > 0"
 
 
 def _not_negative(value: Any) -> str | None:
-    return None if value >= 0 else "expected a number >= 0"
+    return None if as_number("", value) >= 0 else "expected a number >= 0"
 
 
 def _argument_checks(info: TargetInfo) -> dict[str, Callable[[Any], str | None]]:
@@ -141,7 +141,9 @@ def _argument_checks(info: TargetInfo) -> dict[str, Callable[[Any], str | None]]
         "duration_s": _positive,
         "factor": _positive,
         "limit": _not_negative,
-        "min_share": lambda v: None if 0 <= v <= 1 else "expected a share within 0..1",
+        "min_share": lambda v: (
+            None if 0 <= as_number("", v) <= 1 else "expected a share within 0..1"
+        ),
         "window_s": _not_negative,
         "timeout_s": _not_negative,
         "ttl_s": _not_negative,
@@ -160,6 +162,13 @@ def _type_problem(hint: Any, value: Any) -> str | None:
     for kind in allowed:
         if kind in (float, int) and isinstance(value, int | float) and not isinstance(value, bool):
             return None if math.isfinite(value) else "expected a finite number"
+        if kind in (float, int) and isinstance(value, str):
+            # `${sla_s}` from an env entry or --var arrives as "45"; the probes convert it
+            try:
+                as_number("", value)
+            except InvalidInput:
+                continue
+            return None
         if kind is type(None) and value is None:
             return None
         if kind in (str, bool) and isinstance(value, kind):
@@ -210,7 +219,10 @@ def _check_activity(
             problems.append(f"{where}: {type_problem}")
             continue
         check = checks.get(name)
-        problem = check(value) if check else None
+        try:
+            problem = check(value) if check else None
+        except InvalidInput as exc:
+            problem = str(exc).lstrip(": ")
         if problem:
             problems.append(f"{where}: {problem} (got {value!r})")
     if "worker" in given or ("node" in given and func_name == "kill_gpu_process"):

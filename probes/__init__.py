@@ -2,7 +2,8 @@
 
     probes.slo          p99_latency_ms, ttft_p99_ms, error_rate, frame_drops, achieved_qps,
                         worst_p99_ms_since_fault      (client side: the open-loop load)
-    probes.target       queue_depth, serving_mode_share, healthy_workers   (target side)
+    probes.target       queue_depth, serving_mode_share, served_in_mode_since_fault,
+                        healthy_workers               (target side)
     probes.recovery     recovery_time_s               (waits; its tolerance is the SLA)
     probes.tolerances   at_most, at_least             (tolerances that read configuration)
     probes.prometheus   p99_latency_ms, error_rate, queue_depth, query   (PromQL; no control)

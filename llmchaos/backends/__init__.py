@@ -54,7 +54,10 @@ class TargetInfo:
         """
         gpus = [w for w in self.workers if w.mode == "gpu"]
         if bool(worker) == bool(node):
-            raise InvalidInput("give exactly one of worker (a name, or '*' for all) and node")
+            raise InvalidInput(
+                "give exactly one of worker (a name, or '*' for all) and node; got "
+                f"worker={worker!r}, node={node!r}"
+            )
         if worker == "*":
             picked = gpus
         elif worker:
@@ -68,7 +71,9 @@ class TargetInfo:
             real_node = self.node_name(node)
             picked = [w for w in gpus if w.node == real_node]
         if not picked:
-            raise InvalidInput(f"node {node!r} runs no GPU worker")
+            raise InvalidInput(
+                f"node {node!r} runs no GPU worker" if node else "the target has no GPU worker"
+            )
         return [w.name for w in picked]
 
     def node_name(self, node: str) -> str:
@@ -156,5 +161,6 @@ class Backend(ABC):
     def undo(self, op: str, args: dict[str, Any]) -> None:
         """Run undo operation `op`; raises InvalidInput for anything not in UNDO_OPS."""
         if op not in self.UNDO_OPS:
-            raise InvalidInput(f"undo: unknown operation {op!r}; expected one of {self.UNDO_OPS}")
+            known = ", ".join(sorted(self.UNDO_OPS))
+            raise InvalidInput(f"undo: unknown operation {op!r}; expected one of {known}")
         getattr(self, op)(**args)

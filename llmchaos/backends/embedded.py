@@ -146,7 +146,8 @@ class EmbeddedBackend(Backend):
         for gateway in self.topology.gateways:
             if gateway.name == name:
                 return gateway
-        raise InvalidInput(f"gateway: unknown gateway {name!r}")
+        known = ", ".join(g.name for g in self.topology.gateways)
+        raise InvalidInput(f"gateway: unknown gateway {name!r}; gateways: {known}")
 
     def expire_token_cache(self, ttl_s: float) -> int:
         import redis

@@ -4,13 +4,16 @@ chart (recovery.png, recovery.svg) and report.html. See `write_run_report`.
 
 from __future__ import annotations
 
+import contextlib
 import csv
-import json
+import io
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from chaoslib.configuration import load_configuration
 
 from llmchaos.analysis import (
     Recovery,
@@ -22,6 +25,7 @@ from llmchaos.analysis import (
     recovery,
     rolling_windows,
 )
+from llmchaos.files import write_json_atomic, write_text_atomic
 from llmchaos.ledger import FaultEntry
 from llmchaos.report.chart import ChartMarks, write_recovery_chart
 from llmchaos.report.html import render_html
@@ -58,26 +62,27 @@ def _write_csv(
 ) -> None:
     by_end = {w.end_ts - 1: w for w in windows}
     classes = sorted({c for r in records for c in r.failed})
-    with path.open("w", newline="") as f:
-        out = csv.writer(f)
+    text = io.StringIO()
+    out = csv.writer(text)
+    out.writerow(
+        [
+            *("ts", "scheduled", "ok", *(f"failed_{c}" for c in classes), "dropped"),
+            *("p50_ms", "p99_ms", "gpu", "cpu"),
+            *("window_p99_ms", "window_error_rate", "window_meets_slo"),
+        ]
+    )
+    for r in records:
+        w = by_end.get(r.ts)
         out.writerow(
             [
-                *("ts", "scheduled", "ok", *(f"failed_{c}" for c in classes), "dropped"),
-                *("p50_ms", "p99_ms", "gpu", "cpu"),
-                *("window_p99_ms", "window_error_rate", "window_meets_slo"),
+                *(r.ts, r.scheduled, r.ok, *(r.failed.get(c, 0) for c in classes)),
+                r.dropped,
+                *(_round(r.latency.quantile(0.5)), _round(r.latency.quantile(0.99))),
+                *(r.modes.get("gpu", 0), r.modes.get("cpu", 0)),
+                *((w.p99_ms, w.error_rate, w.meets_slo) if w else ("", "", "")),
             ]
         )
-        for r in records:
-            w = by_end.get(r.ts)
-            out.writerow(
-                [
-                    *(r.ts, r.scheduled, r.ok, *(r.failed.get(c, 0) for c in classes)),
-                    r.dropped,
-                    *(_round(r.latency.quantile(0.5)), _round(r.latency.quantile(0.99))),
-                    *(r.modes.get("gpu", 0), r.modes.get("cpu", 0)),
-                    *((w.p99_ms, w.error_rate, w.meets_slo) if w else ("", "", "")),
-                ]
-            )
+    write_text_atomic(path, text.getvalue())
 
 
 def _round(value: float | None) -> float | str:
@@ -103,7 +108,8 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
             min(fault_times),
             slo,
             window_s=s.window_s,
-            until_ts=rec.recovered_at_ts,
+            # the fault's whole cost: up to the end of the stable run that confirmed recovery
+            until_ts=rec.judged_until_ts if rec.recovered else None,
             in_flight_s=s.request_timeout_s,
         )
     probed = probe_output(journal, "after", "recovery_time_s")
@@ -172,7 +178,7 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
     )
     run_dir = facts.run_dir
     if journal is not None:
-        (run_dir / "journal.json").write_text(json.dumps(journal, indent=2, default=str))
+        write_json_atomic(run_dir / "journal.json", journal)
     _write_csv(run_dir / "timeline.csv", records, windows)
     chart_svg = None
     if records:
@@ -182,10 +188,23 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
             records, windows, slo, marks, run_dir / "recovery", title
         )
     result.write(run_dir / "summary.json")
-    (run_dir / "report.html").write_text(render_html(result, journal, chart_svg, s.to_dict()))
+    write_text_atomic(
+        run_dir / "report.html", render_html(result, journal, chart_svg, _values(s, journal))
+    )
     return result
 
 
 def _met(journal: dict[str, Any] | None, phase: str) -> bool | None:
     state = ((journal or {}).get("steady_states") or {}).get(phase)
     return None if not state else bool(state.get("steady_state_met"))
+
+
+def _values(settings: RunSettings, journal: dict[str, Any] | None) -> dict[str, Any]:
+    """What `${...}` in the experiment meant in this run: its configuration (resolved the way
+    Chaos Toolkit did, from the same environment), over the run's settings."""
+    values = settings.to_dict()
+    raw = ((journal or {}).get("experiment") or {}).get("configuration")
+    if isinstance(raw, dict):
+        with contextlib.suppress(Exception):  # a report without it is still a report
+            values.update(load_configuration(raw))
+    return values

@@ -104,7 +104,7 @@ def render_html(
             "timeline.csv",
             "load/timeline.jsonl",
             "ledger.jsonl",
-            "recovery.png",
+            *(("recovery.png",) if chart_svg else ()),
         )
     )
     return f"""<!doctype html>

@@ -2,7 +2,9 @@
 
 The verdict follows Chaos Toolkit's own outcome, made strict: a run passes only when the
 journal is `completed`, did not deviate, met the steady state *before* the method (Chaos
-Toolkit skips the method and exits 0 otherwise), and the safety guard did not abort it.
+Toolkit skips the method and exits 0 otherwise), every activity of the method succeeded (a
+fault that failed to go in proves nothing, and Chaos Toolkit still says `completed`), and the
+safety guard did not abort it.
 The figures come from the load's timeline (post-run analysis), except the recovery time,
 which is the recovery probe's output when the experiment has one (what the tolerance judged).
 """
@@ -15,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llmchaos.files import write_json_atomic
 
 __all__ = ["RunResult", "hypothesis_outcome", "probe_output", "verdict_of"]
 
@@ -70,8 +74,7 @@ class RunResult:
         return dataclasses.asdict(self)
 
     def write(self, path: Path) -> Path:
-        path.write_text(json.dumps(self.to_dict(), indent=2))
-        return path
+        return write_json_atomic(path, self.to_dict())
 
     @classmethod
     def read(cls, path: Path) -> RunResult:
@@ -160,6 +163,13 @@ def verdict_of(
         after, why_after = hypothesis_outcome(journal, "after")
         if journal.get("deviated") or after is False:
             reasons.append(f"deviated after the method: {why_after}")
+        for activity_run in journal.get("run") or []:
+            if activity_run.get("status") == "failed":
+                name = activity_run.get("activity", {}).get("name", "?")
+                error = (activity_run.get("exception") or ["failed"])[-1].strip()
+                reasons.append(
+                    f"fault not injected: {name} failed: {_EXCEPTION_PREFIX.sub('', error)}"
+                )
         status = journal.get("status")
         if status != "completed" and not reasons and not guard:
             reasons.append(f"journal status {status}")

@@ -82,19 +82,26 @@ def _assert_nothing_left(run_dir: Path) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("sig", "rollbacks"),
-    [(signal.SIGINT, True), (signal.SIGTERM, True), (signal.SIGTERM, False)],
-    ids=["SIGINT", "SIGTERM", "SIGTERM-no-rollbacks"],
+    ("sig", "rollbacks", "times"),
+    [
+        (signal.SIGINT, True, 1),
+        (signal.SIGTERM, True, 1),
+        (signal.SIGTERM, False, 1),
+        (signal.SIGINT, False, 3),
+    ],
+    ids=["SIGINT", "SIGTERM", "SIGTERM-no-rollbacks", "SIGINT-x3-no-rollbacks"],
 )
 def test_a_signal_during_the_fault_undoes_and_stops_everything(
-    tmp_path: Path, sig: signal.Signals, rollbacks: bool, needs_netns: None
+    tmp_path: Path, sig: signal.Signals, rollbacks: bool, times: int, needs_netns: None
 ) -> None:
     proc, runs = _start(tmp_path, rollbacks)
     log = tmp_path / "chaos.log"
     try:
         run_dir = _wait_for_fault(proc, runs, log)
         time.sleep(1.0)  # inside the recovery probe's wait
-        os.kill(proc.pid, sig)
+        for _ in range(times):  # an impatient user: the later ones land in the cleanup
+            os.kill(proc.pid, sig)
+            time.sleep(0.3)
         code = proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
@@ -110,6 +117,8 @@ def test_a_signal_during_the_fault_undoes_and_stops_everything(
     # the rollback (strategy always) healed it, or else the control did from the ledger
     assert [f["state"] for f in summary["faults"]] == ["undone"]
     assert ("fault 1 partition_node(node-a): undone by control" in output) != rollbacks
+    if times > 1:
+        assert "received while undoing faults and stopping the run" in output
 
 
 def test_kill_9_then_cleanup_leaves_nothing(tmp_path: Path, needs_netns: None) -> None:

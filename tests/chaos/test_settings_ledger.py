@@ -100,3 +100,49 @@ def test_a_line_cut_off_by_a_kill_is_skipped(tmp_path: Path) -> None:
     with ledger.path.open("a") as f:
         f.write('{"event": "undone", "id": 1, "a')
     assert len(ledger.open_faults()) == 1
+
+
+def test_faults_injected_from_several_threads_all_keep_their_own_entry(tmp_path: Path) -> None:
+    import threading
+
+    ledger = FaultLedger(tmp_path / "ledger.jsonl")
+    barrier = threading.Barrier(8)
+
+    def inject(i: int) -> None:
+        barrier.wait()
+        with ledger.inject("partition_node", f"node-{i}", Undo("heal_partition", {"node": i})):
+            pass
+
+    threads = [threading.Thread(target=inject, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    entries = ledger.entries()
+    assert sorted(e.id for e in entries) == list(range(1, 9))
+    assert len(ledger.open_faults()) == 8
+
+
+def test_a_record_after_a_cut_off_line_is_not_lost(tmp_path: Path) -> None:
+    ledger = FaultLedger(tmp_path / "ledger.jsonl")
+    with ledger.inject("partition_node", "node-a", Undo("heal_partition", {"node": "node-a"})):
+        pass
+    with ledger.path.open("a") as f:
+        f.write('{"event": "undone", "id": 1, "a')  # killed mid-write
+    ledger.mark_undone(1, by="cleanup")
+    assert not ledger.open_faults()
+
+
+def test_an_unexpected_error_in_one_undo_does_not_stop_the_others(tmp_path: Path) -> None:
+    ledger = FaultLedger(tmp_path / "ledger.jsonl")
+    for node in ("node-a", "node-b"):
+        with ledger.inject("partition_node", node, Undo("heal_partition", {"node": node})):
+            pass
+
+    def undo(u: Undo) -> None:
+        if u.args["node"] == "node-b":
+            raise TypeError("bad arguments")
+
+    lines = ledger.undo_all(undo, by="test")
+    assert "undo FAILED: bad arguments" in lines[0] and "undone by test" in lines[1]
+    assert [e.target for e in ledger.open_faults()] == ["node-b"]

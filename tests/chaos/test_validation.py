@@ -234,3 +234,15 @@ def test_chaos_validate_accepts_the_catalogue() -> None:
         )
         assert done.returncode == 0, f"{path.name}: {done.stderr[-2000:]}"
         assert "experiment syntax and semantic look valid" in done.stderr
+
+
+def test_slos_and_slas_from_the_environment_are_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # env entries and --var give strings: "${sla_s}" reaches the tolerance as "45"
+    monkeypatch.setenv("LLMCHAOS_SLA_S", "45")
+    monkeypatch.setenv("LLMCHAOS_P99_SLO_MS", "2500")
+    assert validate_experiment_file(GPU_KILL) == []
+    monkeypatch.setenv("LLMCHAOS_SLA_S", "soon")
+    problems = validate_experiment_file(GPU_KILL)
+    assert any("sla_s: expected a number, got 'soon'" in p for p in problems), problems
