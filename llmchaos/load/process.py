@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
 _OWNER_CHECK_S = 1.0
+START_RESEND_S = 5.0
+"""How long after time zero the start is sent again, for workers that registered late."""
 """How often the master checks that the owner process is still there (one /proc read)."""
 
 
@@ -95,9 +97,20 @@ class Controller:
             return
         start = time.time() + START_DELAY_S
         self.aggregate = Aggregate(start, self.duration_s, self.target_qps)
-        self.env.runner.send_message(START_MESSAGE, {"start_epoch_s": start})
         self.state = "running"
+        gevent.spawn(self._announce_start, start)
         gevent.spawn(self._lifecycle)
+
+    def _announce_start(self, start: float) -> None:
+        """Send time zero, and again for a while: a worker whose handler was not registered
+        yet drops the message ("Unknown message type"), and its whole share of the schedule
+        would be lost. Workers keep the first one they get."""
+        until = time.monotonic() + START_DELAY_S + START_RESEND_S
+        while True:
+            self.env.runner.send_message(START_MESSAGE, {"start_epoch_s": start})
+            if time.monotonic() >= until:
+                return
+            gevent.sleep(0.25)
 
     # LiveSource
 

@@ -50,7 +50,8 @@ class WorkerState:
         self.claimed = False
 
     def on_start(self, msg: Any, **_: Any) -> None:
-        self.start_epoch.set(float(msg.data["start_epoch_s"]))
+        if not self.start_epoch.ready():  # the master sends it more than once (process.py)
+            self.start_epoch.set(float(msg.data["start_epoch_s"]))
 
     def on_control(self, msg: Any, **_: Any) -> None:
         data = msg.data

@@ -182,3 +182,23 @@ def test_seconds_give_live_records_that_become_the_timeline_lines(fake_server, t
     # Second 0 was settled at 3.5 s: its record is already the line the file got.
     assert live[0] == {**lines[0], "final": True}
     assert any(not x["final"] and x["unanswered"] > 0 for x in live), live
+
+
+def test_time_zero_is_sent_again_for_workers_that_registered_late() -> None:
+    """A worker whose handler was not registered yet drops the first start message; without
+    a resend its whole share of the schedule was lost (seen: half the requests missing).
+    In a child process: importing the master's module imports Locust, which monkey-patches."""
+    script = """
+from types import SimpleNamespace
+from llmchaos.load import process
+process.START_DELAY_S, process.START_RESEND_S = 0.0, 0.6
+sent = []
+runner = SimpleNamespace(send_message=lambda kind, data: sent.append((kind, data)))
+process.Controller._announce_start(SimpleNamespace(env=SimpleNamespace(runner=runner)), 42.0)
+assert len(sent) >= 3, sent
+assert all(data == {"start_epoch_s": 42.0} for _, data in sent), sent
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
