@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -198,3 +200,23 @@ def _phase_step(title: str, runs: list[dict[str, Any]] | None) -> None:
                         raise AssertionError(error)
             except AssertionError:
                 pass  # the step is marked failed; the test's verdict comes from the run
+
+
+def chaos_run(
+    experiment: Path,
+    journal: Path,
+    *options: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+) -> subprocess.CompletedProcess[str]:
+    """`chaos run [options] experiment` from the repo root, journal at `journal`, output
+    captured; `env` is added to this process's environment."""
+    argv = [str(Path(sys.executable).with_name("chaos")), "run", "--journal-path", str(journal)]
+    return subprocess.run(
+        [*argv, *options, str(experiment)],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )

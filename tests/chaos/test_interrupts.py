@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, chaos_run
 from llmchaos.load.api import find_load_processes
 from llmchaos.stack.cleanup import leftovers
 from llmchaos.stack.netns import list_namespaces
@@ -159,28 +159,15 @@ def test_the_safety_guard_undoes_and_aborts_a_run_that_keeps_failing(tmp_path: P
     """No backup gateway and the primary crashed: every request fails. The guard (here after
     4 s above 50%) restores the gateway and stops the run before the recovery probe's wait."""
     env = {
-        **os.environ,
         "LLMCHAOS_RUNS_ROOT": str(tmp_path / "runs"),
         "LLMCHAOS_STACKS_ROOT": str(tmp_path / "stacks"),
         "LLMCHAOS_WARMUP_S": "3",
         "LLMCHAOS_GUARD_FOR_S": "4",
         "LLMCHAOS_NETNS": "off",
     }
-    done = subprocess.run(
-        [
-            str(BIN / "chaos"),
-            "run",
-            "--var",
-            "variant=no-backup-gateway",
-            "--journal-path",
-            str(tmp_path / "journal.json"),
-            str(REPO / "experiments" / "gateway_crash.json"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
+    experiment = REPO / "experiments" / "gateway_crash.json"
+    done = chaos_run(
+        experiment, tmp_path / "journal.json", "--var", "variant=no-backup-gateway", env=env
     )
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-3000:]

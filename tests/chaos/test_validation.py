@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO
+from conftest import REPO, chaos_run
 from llmchaos.validation import validate_experiment_file
 
 EXPERIMENTS = sorted((REPO / "experiments").glob("*.json"))
@@ -128,19 +128,7 @@ def test_chaos_run_stops_before_anything_starts(
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(experiment))
     runs_before = set((REPO / "reports" / "runs").glob("*"))
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("chaos")),
-            "run",
-            str(path),
-            "--journal-path",
-            str(tmp_path / "journal.json"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = chaos_run(path, tmp_path / "journal.json", timeout_s=60)
     assert result.returncode == 1, result.stderr[-2000:]
     assert message in result.stderr
     journal = json.loads((tmp_path / "journal.json").read_text())

@@ -10,15 +10,12 @@ embedded stack stands in for the service the traffic goes to (a real cluster has
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from chaoslib.configuration import load_configuration
 
-from conftest import REPO, StackFactory
+from conftest import REPO, StackFactory, chaos_run
 from llmchaos.backends.kubernetes import KubernetesBackend
 from llmchaos.faults import kill_gpu_process, partition_node
 from llmchaos.run import ChaosRun, abandon_dead_runs, planned_target
@@ -96,7 +93,6 @@ def test_chaos_run_gateway_crash_on_k8s_by_configuration_only(
 ) -> None:
     stack = stack_factory(netns="off")  # the service the traffic goes to
     env = {
-        **os.environ,
         **_k8s_env(kubeconfig),
         "LLMCHAOS_K8S_GATEWAY_URL": stack.gateway_url,
         "LLMCHAOS_K8S_TOKENS_FILE": stack.tokens_file,
@@ -104,20 +100,8 @@ def test_chaos_run_gateway_crash_on_k8s_by_configuration_only(
         "LLMCHAOS_WARMUP_S": "4",
         "LLMCHAOS_RUNS_ROOT": str(tmp_path / "runs"),
     }
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("chaos")),
-            "run",
-            "--journal-path",
-            str(tmp_path / "journal.json"),
-            str(REPO / "experiments" / "gateway_crash.json"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    experiment = REPO / "experiments" / "gateway_crash.json"
+    done = chaos_run(experiment, tmp_path / "journal.json", env=env)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     (summary_path,) = (tmp_path / "runs").glob("*/summary.json")
@@ -146,25 +130,12 @@ def test_an_unreachable_cluster_stops_chaos_run_before_anything(tmp_path: Path) 
         )
     )
     env = {
-        **os.environ,
         **_k8s_env(kubeconfig),
         "LLMCHAOS_K8S_REQUEST_TIMEOUT_S": "2",
         "LLMCHAOS_RUNS_ROOT": str(tmp_path / "runs"),
     }
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("chaos")),
-            "run",
-            "--journal-path",
-            str(tmp_path / "journal.json"),
-            str(REPO / "experiments" / "gpu_kill.json"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    experiment = REPO / "experiments" / "gpu_kill.json"
+    done = chaos_run(experiment, tmp_path / "journal.json", env=env, timeout_s=120)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-3000:]
     assert "llmchaos:" in output and "127.0.0.1:9" in output, output[-3000:]
