@@ -33,6 +33,7 @@ from typing import Any
 from llmchaos.load.histogram import LogHistogram
 
 __all__ = [
+    "SLO_ERROR_CLASSES",
     "FaultImpact",
     "Recovery",
     "SecondRecord",
@@ -45,13 +46,18 @@ __all__ = [
 ]
 
 
+SLO_ERROR_CLASSES = ("5xx", "429", "timeout", "connection", "bad_body")
+"""Outcomes that fail the SLO by default: every load failure class but other 4xx (the
+client's fault, a revoked token)."""
+
+
 @dataclass(frozen=True)
 class Slo:
     """What a window must meet."""
 
     p99_ms: float
     error_rate: float
-    error_classes: tuple[str, ...] = ("5xx", "429", "timeout", "connection", "bad_body")
+    error_classes: tuple[str, ...] = SLO_ERROR_CLASSES
 
 
 @dataclass

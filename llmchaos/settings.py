@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmchaos.analysis import SLO_ERROR_CLASSES
 from llmchaos.errors import InvalidInput
+from llmchaos.load.timeline import FAILURE_CLASSES
 from llmchaos.stack.config import StackConfig, get_variant
 
 __all__ = ["ENV_PREFIX", "ERROR_CLASSES", "K8S_PREFIX", "RunSettings", "Target", "as_number"]
@@ -40,8 +42,8 @@ ENV_PREFIX = "LLMCHAOS_"
 K8S_PREFIX = "k8s_"
 """Configuration keys of the Kubernetes backend's settings (environment: LLMCHAOS_K8S_...)."""
 Target = Literal["embedded", "k8s"]
-ERROR_CLASSES = ("5xx", "429", "timeout", "connection", "bad_body", "4xx")
-"""Failure classes the load counts (see llmchaos.load.timeline.FAILURE_CLASSES)."""
+ERROR_CLASSES = FAILURE_CLASSES
+"""Failure classes the load counts: what `error_classes` may name."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class RunSettings:
     """P99 end-to-end latency (from scheduled send time) a window may have."""
     error_rate_slo: float = 0.01
     """Failed share a window may have (classes in `error_classes`, dropped sends included)."""
-    error_classes: tuple[str, ...] = ("5xx", "429", "timeout", "connection", "bad_body")
+    error_classes: tuple[str, ...] = SLO_ERROR_CLASSES
     """Outcomes that count as failures for the SLO. Other 4xx (bad token, bad request) are
     the client's fault and stay out by default; 429 counts: a shed request is not served."""
     queue_depth_slo: float = 100.0
