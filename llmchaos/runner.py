@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.report.summary import RunResult
-from llmchaos.run import RUN_FILE, abandon_dead_runs
+from llmchaos.run import RUN_FILE, finish_dead_runs
 from llmchaos.stack.cleanup import cleanup
 
 __all__ = ["ExperimentOutcome", "failure_message", "run_experiment"]
@@ -110,11 +110,12 @@ def _stop(proc: subprocess.Popen[bytes], runs_root: Path) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         code = proc.wait()
-    abandon_dead_runs(runs_root)
     run_dir = _run_dir(runs_root)
-    stack_dir = (_read_json(run_dir / RUN_FILE) or {}).get("stack_state_dir") if run_dir else None
-    if stack_dir:
-        cleanup(Path(stack_dir).parent, Path(stack_dir).name)
+    if run_dir is not None:
+        finished = finish_dead_runs(runs_root, [run_dir.name])
+        stack_dir = (_read_json(run_dir / RUN_FILE) or {}).get("stack_state_dir")
+        if stack_dir and finished.stack_ids:
+            cleanup(Path(stack_dir).parent, finished.stack_ids)
     return code
 
 

@@ -274,6 +274,18 @@ class RunSettings:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_record(cls, data: Mapping[str, Any]) -> RunSettings:
+        """Settings as `to_dict` wrote them (run.json); raises InvalidInput like
+        `from_configuration`."""
+        hints = typing.get_type_hints(cls)
+        values = {
+            name: value if name == "k8s" else _convert(hints[name], value, f"settings.{name}")
+            for name, value in data.items()
+            if name in hints
+        }
+        return cls(**values)
+
 
 def _require(
     name: str, value: float, *, low: float, high: float | None = None, strict: bool = False

@@ -13,6 +13,7 @@ from typing import Any
 from llmchaos.load.api import LoadRun
 from llmchaos.load.capacity import run_capacity, write_chart
 from llmchaos.load.config import LoadConfig
+from llmchaos.signals import held
 
 __all__ = ["register"]
 
@@ -86,7 +87,8 @@ def _load(args: argparse.Namespace) -> int:
     try:
         summary = run.wait()
     except KeyboardInterrupt:
-        summary = run.stop()
+        with held("stopping the load"):
+            summary = run.stop()
     print(json.dumps(summary.to_dict(), indent=2))
     return 0
 

@@ -55,6 +55,9 @@ class RunFacts:
     interrupted_because: str | None
     notes: Sequence[str]
     started_at: float
+    rebuilt: str | None = None
+    """Set when the report is written again after the run was killed ("rebuilt after the run
+    was killed at <phase>")."""
 
 
 def _write_csv(
@@ -174,7 +177,8 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
         started_at=facts.started_at,
         ended_at=time.time(),
         guard=facts.guard,
-        notes=facts.notes,
+        notes=list(facts.notes),
+        rebuilt=facts.rebuilt,
     )
     run_dir = facts.run_dir
     if journal is not None:

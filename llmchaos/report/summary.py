@@ -69,6 +69,9 @@ class RunResult:
     guard: str | None = None
     """Why the safety guard aborted the run, if it did."""
     notes: list[str] = field(default_factory=list)
+    rebuilt: str | None = None
+    """"rebuilt after the run was killed at <phase>" when `llmchaos cleanup` wrote this
+    report from the run folder, after the run itself could not."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -105,6 +108,7 @@ class RunResult:
     def table(self) -> str:
         """A short plain-text table for the terminal."""
         rows = [
+            *([("report", self.rebuilt)] if self.rebuilt else []),
             ("verdict", self.verdict.upper() + "".join(": " + r for r in self.reasons[:1])),
             ("experiment", f"{self.title} [{self.experiment}]"),
             *self.figures(),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmchaos.errors import InvalidInput
+from llmchaos.processes import Owner
 from llmchaos.stack.procs import spawn
 
 __all__ = [
@@ -40,7 +41,7 @@ def require_binary(name: str) -> str:
     return path
 
 
-def start_redis(state_dir: Path, port: int, stack_id: str) -> subprocess.Popen[bytes]:
+def start_redis(state_dir: Path, port: int, stack_id: str, owner: Owner) -> subprocess.Popen[bytes]:
     """redis-server on 127.0.0.1:`port` without persistence (a cache, like the seed's)."""
     data_dir = state_dir / "redis"
     data_dir.mkdir(exist_ok=True)
@@ -53,7 +54,7 @@ def start_redis(state_dir: Path, port: int, stack_id: str) -> subprocess.Popen[b
         "--dir", str(data_dir),
         "--daemonize", "no",
     ]  # fmt: skip
-    return spawn(argv, stack_id=stack_id, log_path=state_dir / "logs" / "redis.log")
+    return spawn(argv, stack_id=stack_id, owner=owner, log_path=state_dir / "logs" / "redis.log")
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,9 @@ def _haproxy_maxconn() -> int:
     return max(256, min(20_000, (soft - 100) // 2))
 
 
-def start_haproxy(config_path: Path, state_dir: Path, stack_id: str) -> subprocess.Popen[bytes]:
+def start_haproxy(
+    config_path: Path, state_dir: Path, stack_id: str, owner: Owner
+) -> subprocess.Popen[bytes]:
     """HAProxy in the foreground (`-db`) with `config_path`; raises InvalidInput on a bad one."""
     binary = require_binary("haproxy")
     check = subprocess.run(
@@ -119,6 +122,7 @@ def start_haproxy(config_path: Path, state_dir: Path, stack_id: str) -> subproce
     return spawn(
         [binary, "-db", "-f", str(config_path)],
         stack_id=stack_id,
+        owner=owner,
         log_path=state_dir / "logs" / "haproxy.log",
     )
 

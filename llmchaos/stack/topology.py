@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput
+from llmchaos.files import write_json_atomic
+from llmchaos.processes import Owner
 from llmchaos.stack.settings import ServingMode, settings_from_dict, write_settings
 
 __all__ = [
     "CURRENT_FILE",
+    "OWNER_FILE",
     "AgentState",
     "GatewayInfo",
     "NodeInfo",
@@ -26,10 +29,28 @@ __all__ = [
     "WorkerState",
     "find_state_dir",
     "read_agent_state",
+    "read_owner",
+    "write_owner",
 ]
 
 CURRENT_FILE = "current"
 """File in the state root naming the stack that `status`/`down` act on by default."""
+OWNER_FILE = "owner.json"
+"""File in a stack's state folder saying whom the stack belongs to; written before anything
+of the stack starts, so even a start killed half-way can be judged by `llmchaos cleanup`."""
+
+
+def write_owner(state_dir: Path, owner: Owner) -> None:
+    write_json_atomic(Path(state_dir) / OWNER_FILE, owner.to_dict())
+
+
+def read_owner(state_dir: Path) -> Owner | None:
+    """The stack's owner, None when the folder has no readable owner file."""
+    try:
+        data = json.loads((Path(state_dir) / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return Owner.from_dict(data) if isinstance(data, dict) else None
 
 
 @dataclass(frozen=True)

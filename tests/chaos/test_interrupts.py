@@ -71,7 +71,7 @@ def _assert_nothing_left(run_dir: Path) -> dict[str, object]:
     run = json.loads((run_dir / "run.json").read_text())
     stack_id = Path(run["stack_state_dir"]).name
     left = leftovers(stack_id)
-    assert left.empty, left.lines()
+    assert left.empty, left.summary()
     assert not [n for n in list_namespaces() if stack_id[-4:] in n]
     assert not [
         pid for pid, where in find_load_processes().items() if Path(where).is_relative_to(run_dir)
@@ -113,7 +113,7 @@ def test_a_signal_during_the_fault_undoes_and_stops_everything(
     assert run["status"] == "finished"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["verdict"] == "fail"
-    assert summary["reasons"][0] == f"interrupted by {sig.name}"
+    assert summary["reasons"][0] == f"interrupted by {sig.name} during steady-state-after"
     # the rollback (strategy always) healed it, or else the control did from the ledger
     assert [f["state"] for f in summary["faults"]] == ["undone"]
     assert ("fault 1 partition_node(node-a): undone by control" in output) != rollbacks

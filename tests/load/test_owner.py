@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from llmchaos import processes
 from llmchaos.errors import InvalidInput
-from llmchaos.load import LoadConfig, LoadRun, procs
+from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.api import check_config, find_load_processes
-from llmchaos.load.procs import Owner, start_ticks
+from llmchaos.processes import Owner, start_ticks
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
@@ -29,24 +30,24 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
 def test_owner_is_gone_once_killed_even_before_it_is_reaped():
     child = subprocess.Popen(["sleep", "30"])
     try:
-        owner = Owner(child.pid)
-        assert not owner.gone()
+        owner = Owner.of(child.pid)
+        assert owner.alive()
         child.kill()
         # Not reaped yet: a zombie is dead all the same.
-        assert _wait_for(owner.gone, 5.0)
+        assert _wait_for(lambda: not owner.alive(), 5.0)
         assert start_ticks(child.pid) is None
     finally:
         child.kill()
         child.wait()
-    assert owner.gone()
+    assert not owner.alive()
 
 
 def test_owner_whose_pid_was_reused_is_gone(monkeypatch):
-    monkeypatch.setattr(procs, "start_ticks", lambda pid: 1000)
-    owner = Owner(os.getpid())
-    assert not owner.gone()
-    monkeypatch.setattr(procs, "start_ticks", lambda pid: 2000)  # another process, same pid
-    assert owner.gone()
+    monkeypatch.setattr(processes, "start_ticks", lambda pid: 1000)
+    owner = Owner.of(os.getpid())
+    assert owner.alive()
+    monkeypatch.setattr(processes, "start_ticks", lambda pid: 2000)  # another process, same pid
+    assert not owner.alive()
 
 
 @pytest.mark.parametrize(

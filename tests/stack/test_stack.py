@@ -18,9 +18,10 @@ import pytest
 import redis
 from openai import OpenAI
 
+from llmchaos.processes import pid_alive
 from llmchaos.stack import netns
 from llmchaos.stack.cleanup import cleanup, leftovers
-from llmchaos.stack.procs import find_stack_processes, http_get_status, pid_alive
+from llmchaos.stack.procs import find_stack_processes, http_get_status
 from llmchaos.stack.stack import restart_gateway
 from llmchaos.stack.topology import Topology, read_agent_state
 from tests.stack.stack_client import Reply, Traffic, chat, valid_token
@@ -320,7 +321,7 @@ def test_stack_down_leaves_nothing(stack_factory) -> None:  # type: ignore[no-un
     assert find_stack_processes(topology.stack_id)
     stop_stack(topology)
     left = leftovers(topology.stack_id)
-    assert left.empty, left.lines()
+    assert left.empty, left.summary()
     assert Topology.load(Path(topology.state_dir)).status == "stopped"
 
 
@@ -328,7 +329,7 @@ def test_cleanup_after_kill_9_leaves_nothing(stack_factory) -> None:  # type: ig
     topology = stack_factory()
     for pid in find_stack_processes(topology.stack_id):
         os.kill(pid, signal.SIGKILL)
-    report = cleanup(Path(topology.state_dir).parent, topology.stack_id)
+    report = cleanup(Path(topology.state_dir).parent, [topology.stack_id])
     assert topology.stack_id in report.stacks_marked_stopped
     left = leftovers(topology.stack_id)
-    assert left.empty, left.lines()
+    assert left.empty, left.summary()
