@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -109,6 +110,44 @@ def module_stack_factory(stack_state_root: Path) -> Iterator[StackFactory]:
 def stack_factory(stack_state_root: Path) -> Iterator[StackFactory]:
     """Start stacks for one test; all are stopped when it ends, pass or fail."""
     yield from _factory(stack_state_root)
+
+
+BUSY_LOOP = "import time\nend = time.monotonic() + 900\nwhile time.monotonic() < end: pass"
+"""A core kept busy for at most 15 minutes, even if nobody stops it."""
+REPEAT_ENV = "LLMCHAOS_INTERRUPT_REPEAT"
+"""How many times in a row the interrupt tests repeat each case (default 1; the README says
+how they were run 20 times with both cores busy)."""
+
+
+def repeat_count() -> int:
+    return max(1, int(os.environ.get(REPEAT_ENV, "1")))
+
+
+def interrupt_cases(phases: tuple[str, ...]) -> list[Any]:
+    """(signal, phase) cases of an interrupt test: every phase once, SIGINT and SIGTERM in
+    turn (the two take the same path; this keeps CI short), or both signals in every phase
+    when the tests are repeated (LLMCHAOS_INTERRUPT_REPEAT > 1)."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    if repeat_count() > 1:
+        cases = [(sig, phase) for phase in phases for sig in signals]
+    else:
+        cases = [(signals[i % 2], phase) for i, phase in enumerate(phases)]
+    return [pytest.param(sig, phase, id=f"{sig.name}-{phase}") for sig, phase in cases]
+
+
+@pytest.fixture
+def busy_cores() -> Iterator[None]:
+    """Every core kept busy by a spinning process while the test runs: signal and timing
+    code must work on a loaded machine, as CI and users' machines often are."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(os.cpu_count() or 2)
+    ]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 @pytest.fixture(scope="session")
