@@ -21,6 +21,7 @@ from hypothesis import settings as hypothesis_settings
 
 from llmchaos.runner import ExperimentOutcome
 from llmchaos.runner import run_experiment as run_chaos_experiment
+from llmchaos.signals import raise_on_interrupt
 from llmchaos.stack.config import StackConfig
 from llmchaos.stack.netns import check_netns_support
 from llmchaos.stack.stack import start_stack, stop_stack
@@ -56,6 +57,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.allure_report_dir = str(ALLURE_RESULTS)
         config.option.clean_alluredir = True  # this run's results, not every run's
     _set_basetemp(config)
+    # SIGTERM (a CI runner cancelling the job) ends the session like Ctrl-C: fixtures stop
+    # the stacks and runs they started instead of leaving them behind.
+    raise_on_interrupt()
 
 
 def _set_basetemp(config: pytest.Config) -> None:

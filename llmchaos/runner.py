@@ -24,6 +24,7 @@ from typing import Any
 
 from llmchaos.report.summary import RunResult
 from llmchaos.run import RUN_FILE, finish_dead_runs
+from llmchaos.signals import held
 from llmchaos.stack.cleanup import cleanup
 
 __all__ = ["ExperimentOutcome", "failure_message", "run_experiment"]
@@ -89,6 +90,10 @@ def run_experiment(
         except subprocess.TimeoutExpired:
             timed_out = True
             code = _stop(proc, runs_root)
+        except KeyboardInterrupt:  # its own session: the run would go on without us
+            with held("stopping the experiment"):
+                _stop(proc, runs_root)
+            raise
     run_dir = _run_dir(runs_root)
     return ExperimentOutcome(
         experiment=experiment,

@@ -3,8 +3,11 @@ and stray load processes can be found in /proc."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,3 +103,30 @@ def test_load_stops_itself_when_its_owner_is_killed(fake_server, tmp_path):
     assert 50 <= summary.scheduled < 50 * 10, summary.scheduled
     assert _wait_for(lambda: not ours & set(find_load_processes()), 5.0)
     assert "owner process" in (run_dir / "locust.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_llmchaos_load_stops_cleanly_on_a_signal(fake_server, tmp_path, sig, busy_cores):
+    """Ctrl-C or SIGTERM to `llmchaos load`: the load drains, the summary is printed, the
+    accounting closes and no load process is left, with every core busy."""
+    server = fake_server()
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "llmchaos.cli", "load", "--url", server.url, "--qps", "40"]
+    argv += ["--duration", "120", "--profile", "constant", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: (run_dir / "timeline.jsonl").exists(), 60.0)
+        time.sleep(2.0)
+        proc.send_signal(sig)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        took_s = time.monotonic() - sent
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+    assert took_s < 20, took_s
+    summary = json.loads(out)
+    assert summary["scheduled"] > 0 and summary["accounting_closed"], summary
+    assert not [p for p, d in find_load_processes().items() if d == str(run_dir.resolve())]
