@@ -44,7 +44,7 @@ from llmchaos.report import write_run_report
 from llmchaos.report.summary import hypothesis_outcome
 from llmchaos.run import ChaosRun, planned_target
 from llmchaos.settings import RunSettings
-from llmchaos.validation import check_experiment
+from llmchaos.validation import check_experiment, other_configuration_keys
 
 __all__ = [
     "after_experiment_control",
@@ -127,13 +127,17 @@ def before_experiment_control(
     # Chaos Toolkit swallows any other exception of a control and runs the experiment on
     # without it, so every failure here becomes an interruption.
     try:
-        settings = RunSettings.from_configuration(configuration)
-        problems = check_experiment(context, dict(configuration or {}), planned_target(settings))
+        settings = RunSettings.from_configuration(
+            configuration, other_keys=other_configuration_keys(context)
+        )
+        info = planned_target(settings)
+        problems = check_experiment(context, dict(configuration or {}), info, settings)
         if problems:
             raise InvalidInput("the experiment is invalid:\n  " + "\n  ".join(problems))
         run = ChaosRun.open(settings, name or title, title)
     except Exception as exc:
         _session = None
+        _restore_signals()  # nothing started: nothing for the finish to do
         what = str(exc) if isinstance(exc, LLMChaosError) else f"{type(exc).__name__}: {exc}"
         raise InterruptExecution(f"llmchaos: {what}") from None
     _session.run = run

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import threading
@@ -259,8 +258,7 @@ class ChaosRun:
             )
             self.notes.append(note)
             log.warning("llmchaos: %s", note)
-        # one Locust process carries ~2,500 QPS open loop here (llmchaos/load/README.md)
-        workers = max(s.load_workers, math.ceil(s.effective_qps / 2500))
+        workers = s.load_processes
         config = LoadConfig(
             url=backend.gateway_url,
             qps=s.effective_qps,

@@ -66,7 +66,7 @@ def test_a_broken_experiment_is_one_failing_test(tmp_path: Path) -> None:
     assert out.splitlines()[-1].startswith("3 failed in"), out[-3000:]
     assert "framework error: broken.json is not a valid experiment" in out
     assert "not JSON" in out
-    assert "qps: expected a number > 0, got -1" in out
+    assert "qps: expected a number > 0 and <= 1,000,000, got -1" in out
     assert list((tmp_path / "allure").glob("*-result.json")), "the Allure results are written"
 
 

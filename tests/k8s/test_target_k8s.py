@@ -48,7 +48,7 @@ def test_the_catalogues_names_map_to_the_clusters(cluster: object, kubeconfig: P
     for name in ("gpu_kill", "node_partition", "gateway_crash", "gpu_kill_all"):
         experiment = json.loads((REPO / "experiments" / f"{name}.json").read_text())
         configuration = load_configuration(experiment["configuration"])
-        assert check_experiment(experiment, configuration, info) == [], name
+        assert check_experiment(experiment, configuration, info, settings) == [], name
 
 
 def test_faults_go_through_the_cluster_and_a_dead_runs_are_undone_by_cleanup(
