@@ -40,6 +40,7 @@ from chaoslib.exceptions import InterruptExecution
 from llmchaos import signals
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.measure import window_error_rate
+from llmchaos.redact import redact
 from llmchaos.report import write_run_report
 from llmchaos.report.summary import hypothesis_outcome
 from llmchaos.run import ChaosRun, planned_target
@@ -223,6 +224,8 @@ def _finish(journal: dict[str, Any] | None) -> None:
         states = (journal or {}).get("steady_states")
         if isinstance(states, dict) and not states.get("before") and session.before_state:
             states["before"] = session.before_state  # chaos writes the journal after us
+        if journal is not None:
+            journal.update(redact(journal))  # and its journal file without secrets
         if run is not None and not run.finished:
             _finish_run(run, journal)
     finally:

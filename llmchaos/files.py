@@ -7,13 +7,26 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_json_atomic", "write_text_atomic"]
+__all__ = ["create_private", "write_json_atomic", "write_text_atomic"]
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
+def create_private(path: Path) -> Path:
+    """Create `path` empty (or truncate it) readable by its owner only (mode 600), before any
+    secret is written to it: a file of tokens or passwords is never world-readable, not even
+    for a moment."""
+    path = Path(path)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    path.chmod(0o600)  # an existing file keeps its mode through O_CREAT
+    return path
+
+
+def write_text_atomic(path: Path, text: str, *, private: bool = False) -> Path:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`; `private`:
+    mode 600 (see create_private)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    if private:
+        create_private(tmp)
     tmp.write_text(text)
     os.replace(tmp, path)
     return path

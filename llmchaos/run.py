@@ -39,6 +39,7 @@ from llmchaos.ledger import LEDGER_FILE, FaultEntry, FaultLedger, Undo
 from llmchaos.load import LoadConfig, LoadRun, Summary
 from llmchaos.load.api import find_load_processes
 from llmchaos.processes import Owner, start_ticks
+from llmchaos.redact import redact, redact_text
 from llmchaos.report import RunFacts, RunResult, write_run_report
 from llmchaos.settings import RunSettings
 from llmchaos.stack.procs import stop_pids
@@ -191,7 +192,7 @@ class ChaosRun:
             "settings": self.settings.to_dict(),
             **extra,
         }
-        write_json_atomic(self.run_dir / RUN_FILE, data)
+        write_json_atomic(self.run_dir / RUN_FILE, redact(data))
 
     def enter_phase(self, phase: str) -> None:
         """Note in run.json that the run is now in `phase`."""
@@ -202,7 +203,7 @@ class ChaosRun:
     def save_journal(self, journal: dict[str, Any]) -> None:
         """The journal as Chaos Toolkit handed it to the control, before the finish, so a kill
         during the finish still leaves the verdict's inputs on disk."""
-        write_json_atomic(self.run_dir / JOURNAL_FILE, journal)
+        write_json_atomic(self.run_dir / JOURNAL_FILE, redact(journal))
 
     def facts(self, load_summary: Summary | None, frame_drops: int | None) -> RunFacts:
         """What the report needs, from this live run."""
@@ -276,7 +277,10 @@ class ChaosRun:
             owner_pid=os.getpid(),
         )
         log.info(
-            "llmchaos: starting the load: %g QPS %s to %s", config.qps, s.load_profile, config.url
+            "llmchaos: starting the load: %g QPS %s to %s",
+            config.qps,
+            s.load_profile,
+            redact_text(config.url),
         )
         self.load = LoadRun.start(config)
         self.current_qps = config.qps

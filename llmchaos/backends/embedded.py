@@ -28,7 +28,7 @@ from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import http_get_status
 from llmchaos.stack.stack import node_layout, restart_gateway, start_stack, stop_stack, use_netns
-from llmchaos.stack.topology import Topology
+from llmchaos.stack.topology import Topology, read_secrets
 
 __all__ = ["EmbeddedBackend"]
 
@@ -156,7 +156,10 @@ class EmbeddedBackend(Backend):
     def expire_token_cache(self, ttl_s: float) -> int:
         import redis
 
-        client = redis.Redis.from_url(self.topology.redis_url, socket_timeout=5.0)
+        password = read_secrets(self._state_dir).redis_password
+        client = redis.Redis.from_url(
+            self.topology.redis_url, password=password, socket_timeout=5.0
+        )
         try:
             keys = list(client.scan_iter("token:*", count=1000))
             if not keys:

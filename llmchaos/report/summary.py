@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.files import write_json_atomic
+from llmchaos.redact import redact
 
 __all__ = ["RunResult", "hypothesis_outcome", "probe_output", "verdict_of"]
 
@@ -77,7 +78,7 @@ class RunResult:
         return dataclasses.asdict(self)
 
     def write(self, path: Path) -> Path:
-        return write_json_atomic(path, self.to_dict())
+        return write_json_atomic(path, redact(self.to_dict()))
 
     @classmethod
     def read(cls, path: Path) -> RunResult:

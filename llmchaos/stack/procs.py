@@ -87,9 +87,11 @@ def spawn(
     owner: Owner,
     log_path: Path,
     env: dict[str, str] | None = None,
+    stdin_text: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start `argv` in its own session, marked with the stack id and its owner, output
-    appended to `log_path`.
+    appended to `log_path`; `stdin_text` is written to its standard input (how a secret
+    reaches a process without its command line or a file).
 
     Own session: a Ctrl-C in the terminal that ran `stack up` must not reach the stack; the
     stack is stopped by `stack down`, the control's cleanup, or `llmchaos cleanup`. Signals
@@ -101,9 +103,9 @@ def spawn(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log, deferred():
         try:
-            return subprocess.Popen(
+            process = subprocess.Popen(
                 list(argv),
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=full_env,
@@ -111,6 +113,11 @@ def spawn(
             )
         except FileNotFoundError as exc:
             raise InvalidInput(f"cannot start {argv[0]!r}: not found") from exc
+        if process.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                process.stdin.write((stdin_text or "").encode())
+            process.stdin.close()
+        return process
 
 
 def _reap(pid: int) -> None:

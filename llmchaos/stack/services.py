@@ -41,12 +41,16 @@ def require_binary(name: str) -> str:
     return path
 
 
-def start_redis(state_dir: Path, port: int, stack_id: str, owner: Owner) -> subprocess.Popen[bytes]:
-    """redis-server on 127.0.0.1:`port` without persistence (a cache, like the seed's)."""
+def start_redis(
+    state_dir: Path, port: int, stack_id: str, owner: Owner, password: str
+) -> subprocess.Popen[bytes]:
+    """redis-server on 127.0.0.1:`port` without persistence (a cache, like the seed's), which
+    requires `password` (given on its standard input: never on its command line or on disk)."""
     data_dir = state_dir / "redis"
     data_dir.mkdir(exist_ok=True)
     argv = [
         require_binary("redis-server"),
+        "-",  # the rest of the configuration from stdin
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--save", "",
@@ -54,7 +58,13 @@ def start_redis(state_dir: Path, port: int, stack_id: str, owner: Owner) -> subp
         "--dir", str(data_dir),
         "--daemonize", "no",
     ]  # fmt: skip
-    return spawn(argv, stack_id=stack_id, owner=owner, log_path=state_dir / "logs" / "redis.log")
+    return spawn(
+        argv,
+        stack_id=stack_id,
+        owner=owner,
+        log_path=state_dir / "logs" / "redis.log",
+        stdin_text=f"requirepass {password}\n",
+    )
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from llmchaos.stack.services import (
 from llmchaos.stack.settings import (
     CPU_PROFILE,
     GPU_PROFILE,
+    REDIS_PASSWORD_ENV,
     GatewaySettings,
     UpstreamWorker,
     WorkerSettings,
@@ -59,11 +60,14 @@ from llmchaos.stack.topology import (
     CURRENT_FILE,
     GatewayInfo,
     NodeInfo,
+    StackSecrets,
     Topology,
     WorkerInfo,
     read_agent_state,
     read_owner,
+    read_secrets,
     write_owner,
+    write_secrets,
 )
 
 __all__ = [
@@ -157,10 +161,12 @@ def _start(
     logs = state_dir / "logs"
 
     redis_port = free_port()
-    redis = start_redis(state_dir, redis_port, stack_id, owner)
+    password = secrets.token_urlsafe(18)
+    write_secrets(state_dir, StackSecrets(redis_password=password))
+    redis = start_redis(state_dir, redis_port, stack_id, owner, password)
     wait_until(
         "redis-server",
-        lambda: _redis_ping(redis_port),
+        lambda: _redis_ping(redis_port, password),
         config.ready_timeout_s,
         process=redis,
         log_path=logs / "redis.log",
@@ -340,7 +346,9 @@ def start_gateway(
     settings_path = write_settings(settings, state_dir / f"{settings.name}.json")
     log_path = state_dir / "logs" / f"{settings.name}.log"
     argv = [sys.executable, "-m", "llmchaos.stack.gateway", "--settings", str(settings_path)]
-    proc = spawn(argv, stack_id=stack_id, owner=owner, log_path=log_path)
+    # the Redis password travels in the environment, never in the settings file
+    env = {REDIS_PASSWORD_ENV: read_secrets(state_dir).redis_password}
+    proc = spawn(argv, stack_id=stack_id, owner=owner, log_path=log_path, env=env)
     url = f"http://{settings.host}:{settings.port}"
     wait_until(
         settings.name,
@@ -376,11 +384,11 @@ def restart_gateway(topology: Topology, name: str, timeout_s: float = 30.0) -> T
     return updated
 
 
-def _redis_ping(port: int) -> bool:
+def _redis_ping(port: int, password: str) -> bool:
     import redis
 
     try:
-        return bool(redis.Redis(port=port, socket_timeout=0.5).ping())
+        return bool(redis.Redis(port=port, password=password, socket_timeout=0.5).ping())
     except redis.RedisError:
         return False
 

@@ -23,7 +23,7 @@ from llmchaos.stack import netns
 from llmchaos.stack.cleanup import cleanup, leftovers
 from llmchaos.stack.procs import find_stack_processes, http_get_status
 from llmchaos.stack.stack import restart_gateway
-from llmchaos.stack.topology import Topology, read_agent_state
+from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
 from tests.stack.stack_client import Reply, Traffic, chat, valid_token
 
 pytestmark = pytest.mark.slow
@@ -250,7 +250,8 @@ def _flush_and_burst(topology: Topology, tokens: list[str], requests: int) -> tu
 
     Returns (Redis misses, SQLite lookups) that the burst caused.
     """
-    client = redis.Redis.from_url(topology.redis_url)
+    password = read_secrets(Path(topology.state_dir)).redis_password
+    client = redis.Redis.from_url(topology.redis_url, password=password)
     for key in client.scan_iter("token:*"):
         client.delete(key)
     before = _gateway_counter(topology, _MISSES), _gateway_counter(topology, _LOOKUPS)
