@@ -42,7 +42,7 @@ __all__ = [
 
 NETNS_PREFIX = "llmc-"
 """Every namespace the stack creates starts with this; `llmchaos cleanup` removes them all."""
-_LINK_PATTERN = re.compile(r"^lc[0-9a-f]{4}-\d+[hn]$")
+_LINK_PATTERN = re.compile(r"lc[0-9a-f]{4}-\d+[hn]")
 _PARTITION_COMMENT = "llmchaos-partition"
 _SUBNET_BASE = ipaddress.ip_network("10.203.0.0/16")
 
@@ -219,6 +219,6 @@ def list_links(short_id: str | None = None) -> list[str]:
         parts = line.split(":", 2)
         if len(parts) >= 2:
             name = parts[1].strip().split("@", 1)[0]
-            if _LINK_PATTERN.match(name) and short_id in (None, short_id_of(name)):
+            if _LINK_PATTERN.fullmatch(name) and short_id in (None, short_id_of(name)):
                 links.append(name)
     return links
