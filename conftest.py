@@ -139,6 +139,18 @@ def interrupt_cases(phases: tuple[str, ...]) -> list[Any]:
     return [pytest.param(sig, phase, id=f"{sig.name}-{phase}") for sig, phase in cases]
 
 
+def signal_and_wait(
+    proc: subprocess.Popen[str], sig: signal.Signals, timeout_s: float
+) -> tuple[str, str, float]:
+    """Send `sig` to `proc` and wait for it to end: (rest of its stdout, rest of its stderr,
+    seconds it took). Raises subprocess.TimeoutExpired when it does not end in time; the
+    caller kills it in its `finally`."""
+    proc.send_signal(sig)
+    sent = time.monotonic()
+    out, err = proc.communicate(timeout=timeout_s)
+    return out or "", err or "", time.monotonic() - sent
+
+
 @pytest.fixture
 def busy_cores() -> Iterator[None]:
     """Every core kept busy by a spinning process while the test runs: signal and timing

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["create_private", "write_json_atomic", "write_text_atomic"]
+__all__ = ["create_private", "read_json_object", "write_json_atomic", "write_text_atomic"]
 
 
 def create_private(path: Path) -> Path:
@@ -35,3 +35,13 @@ def write_text_atomic(path: Path, text: str, *, private: bool = False) -> Path:
 def write_json_atomic(path: Path, data: Any) -> Path:
     """JSON (indented) through write_text_atomic: a reader never sees half a file."""
     return write_text_atomic(path, json.dumps(data, indent=2, default=str))
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None when the file is missing, unreadable or not an object
+    (a state file cut off by a kill, or never written)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -20,7 +20,6 @@ unless it is named (`--run ID`).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -34,7 +33,7 @@ from typing import Any
 from llmchaos.backends import Backend, TargetInfo
 from llmchaos.backends.embedded import EmbeddedBackend
 from llmchaos.errors import InvalidInput, LLMChaosError
-from llmchaos.files import write_json_atomic
+from llmchaos.files import read_json_object, write_json_atomic
 from llmchaos.ledger import LEDGER_FILE, FaultEntry, FaultLedger, Undo
 from llmchaos.load import LoadConfig, LoadRun, Summary
 from llmchaos.load.api import find_load_processes
@@ -385,14 +384,6 @@ class RunsCleanup:
     stack_ids: list[str] = field(default_factory=list)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def finish_dead_runs(
     runs_root: Path, run_ids: Sequence[str] = (), dry_run: bool = False
 ) -> RunsCleanup:
@@ -414,7 +405,7 @@ def finish_dead_runs(
     if missing:
         raise InvalidInput(f"--run {missing[0]}: no run folder with a {RUN_FILE} under {runs_root}")
     for run_file in sorted(Path(runs_root).glob(f"*/{RUN_FILE}")):
-        data = _read_json(run_file)
+        data = read_json_object(run_file)
         run_dir = run_file.parent.resolve()
         if data is None or (named and run_dir.name not in named):
             continue
@@ -464,7 +455,7 @@ def rebuild_report(run_dir: Path, data: dict[str, Any]) -> RunResult:
     ledger, the load's timeline and summary, and the journal when the run got that far."""
     settings = RunSettings.from_record(data["settings"])
     load_dir = Path(data["load_run_dir"]) if data.get("load_run_dir") else None
-    load_summary = _read_json(load_dir / "summary.json") if load_dir else None
+    load_summary = read_json_object(load_dir / "summary.json") if load_dir else None
     rebuilt = f"rebuilt after the run was killed at {data.get('phase') or 'an unknown phase'}"
     facts = RunFacts(
         name=str(data.get("name", run_dir.name)),
@@ -483,4 +474,4 @@ def rebuild_report(run_dir: Path, data: dict[str, Any]) -> RunResult:
         started_at=float(data.get("started_at") or 0.0),
         rebuilt=rebuilt,
     )
-    return write_run_report(facts, _read_json(run_dir / JOURNAL_FILE))
+    return write_run_report(facts, read_json_object(run_dir / JOURNAL_FILE))

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, signal_and_wait
 from llmchaos import gameday
 from llmchaos.gameday import AllureMissing
 from llmchaos.stack.cleanup import leftovers
@@ -182,10 +182,7 @@ def test_an_interrupted_game_day_stops_its_running_experiment(tmp_path: Path) ->
     try:
         run_file = _wait_for_file(root, "*/runs/*/*/run.json", proc)
         _wait_for_file(run_file.parent, "load/timeline.jsonl", proc)
-        proc.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        out, _ = proc.communicate(timeout=240)
-        took_s = time.monotonic() - sent
+        out, _, took_s = signal_and_wait(proc, signal.SIGTERM, 240)
     finally:
         proc.kill()
         proc.wait()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import signal_and_wait
 from llmchaos import processes
 from llmchaos.errors import InvalidInput
 from llmchaos.load import LoadConfig, LoadRun
@@ -118,10 +119,7 @@ def test_llmchaos_load_stops_cleanly_on_a_signal(fake_server, tmp_path, sig, bus
     try:
         assert _wait_for(lambda: (run_dir / "timeline.jsonl").exists(), 60.0)
         time.sleep(2.0)
-        proc.send_signal(sig)
-        sent = time.monotonic()
-        out, err = proc.communicate(timeout=60)
-        took_s = time.monotonic() - sent
+        out, err, took_s = signal_and_wait(proc, sig, 60)
     finally:
         proc.kill()
         proc.wait()

@@ -8,12 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import interrupt_cases, repeat_count
+from conftest import interrupt_cases, repeat_count, signal_and_wait
 from llmchaos.cli import main
 from llmchaos.stack.cleanup import leftovers
 
@@ -124,10 +123,7 @@ def _interrupt_stack_up(
             seen.append(line)
             if after in line:
                 break
-        proc.send_signal(sig)
-        sent = time.monotonic()
-        _, err = proc.communicate(timeout=30)
-        took_s = time.monotonic() - sent
+        _, err, took_s = signal_and_wait(proc, sig, 30)
     finally:
         proc.kill()
         proc.wait()
