@@ -114,7 +114,12 @@ class RunSettings:
 
     # -- the SLO and the verdict ---------------------------------------------------------
     p99_slo_ms: float = 3000.0
-    """P99 end-to-end latency (from scheduled send time) a window may have."""
+    """P99 end-to-end latency (from scheduled send time) a window may have; also the
+    end-to-end limit of one request in the goodput (`probes.slo.goodput_qps`)."""
+    ttft_slo_ms: float = 2000.0
+    """Goodput: time to first token one request may take (MLPerf's llama3.1-8b server SLO)."""
+    tpot_slo_ms: float = 100.0
+    """Goodput: time per output token one streamed request may take (MLPerf, llama3.1-8b)."""
     error_rate_slo: float = 0.01
     """Failed share a window may have (classes in `error_classes`, dropped sends included)."""
     error_classes: tuple[str, ...] = SLO_ERROR_CLASSES
@@ -159,6 +164,8 @@ class RunSettings:
             "request_timeout_s",
             "max_duration_s",
             "p99_slo_ms",
+            "ttft_slo_ms",
+            "tpot_slo_ms",
             "sla_s",
             "window_s",
             "stable_for_s",

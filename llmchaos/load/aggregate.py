@@ -78,6 +78,7 @@ class Aggregate:
             "in_flight": report["in_flight"],
             "complete_before_s": report["complete_before_s"],
             "final": report["final"],
+            "position_s": report.get("position_s"),
             "seen": time.monotonic(),
             "at_s": self.now_s(),
         }
@@ -94,10 +95,21 @@ class Aggregate:
     def now_s(self) -> float:
         return time.time() - self.start_epoch_s
 
-    def mark_stopped(self) -> None:
-        """Scheduling stops now (a stop request): the run's rates end here."""
+    def mark_stopped(self, at_s: float | None = None) -> None:
+        """Scheduling stopped at `at_s` (default now): the run's rates end there."""
         if self.stopped_at_s is None:
-            self.stopped_at_s = max(0.0, self.now_s())
+            self.stopped_at_s = max(0.0, self.now_s() if at_s is None else at_s)
+
+    def reported_until_s(self) -> float:
+        """How far into the schedule every worker has reported what it sent: the end of a run
+        cut off without the workers' final reports (SIGTERM) is the last point all of them
+        covered, else its rates would divide part of the requests by the whole time."""
+        positions = [
+            w["position_s"]
+            for w in self._workers.values()
+            if w["position_s"] is not None and not w["final"]
+        ]
+        return min([self.now_s(), *positions])
 
     def ran_s(self) -> float:
         """Seconds of schedule that really ran: up to the stop, the end, or now."""

@@ -74,7 +74,7 @@ class Controller:
         runner = self.env.runner
         runner.register_message(REPORT_MESSAGE, self.on_report)
         self.env.events.test_start.add_listener(self.on_test_start)
-        self.env.events.quitting.add_listener(self._on_quitting)
+        self.env.events.quit.add_listener(self._on_quit)
         if isinstance(runner, MasterRunner):
             self.expected_workers = max(1, int(self.env.parsed_options.expect_workers or 1))
         self.server = WSGIServer(
@@ -201,14 +201,15 @@ class Controller:
         if agg is None or self.state == "done":
             return
         if self.state == "running":  # stopped from outside before its end (SIGTERM)
-            agg.mark_stopped()
+            agg.mark_stopped(agg.reported_until_s())
         self._write_timeline(agg.final_lines(flush_all=True))
         write_json_atomic(self.summary_path, agg.summary())
         self.state = "done"
 
-    def _on_quitting(self, **_: Any) -> None:
+    def _on_quit(self, **_: Any) -> None:
         """Locust quits (SIGTERM, or the end of the run): a run that did not finish still
-        leaves its timeline and a summary whose rates cover the time it ran."""
+        leaves its timeline and a summary whose rates cover the time it ran. `quit` comes
+        after the runner stopped its users, so a local run's last report is in."""
         self._finish()
 
     def _write_timeline(self, lines: list[dict[str, Any]]) -> None:

@@ -182,7 +182,8 @@ class Recorder:
     def take_report(self, next_due_s: float | None, final: bool = False) -> dict[str, Any]:
         """The delta since the last report (and reset). `next_due_s`: the schedule position.
 
-        `complete_before_s` tells the master which seconds this worker will not touch again.
+        `complete_before_s` tells the master which seconds this worker will not touch again;
+        `position_s` how far its schedule has been reported (None: all of it).
         """
         horizon = [min(self._open)] if self._open else []
         if next_due_s is not None:
@@ -192,6 +193,7 @@ class Recorder:
             "ok_slots": {str(slot): n for slot, n in self._ok_slots.items()},
             "in_flight": self.in_flight,
             "complete_before_s": min(horizon) if horizon else None,
+            "position_s": next_due_s,
             "final": final,
         }
         self._seconds = {}
