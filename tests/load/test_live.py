@@ -137,9 +137,7 @@ def test_cli_run_writes_summary_and_timeline(fake_server, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("how", "workers"), [("stop", 1), ("sigterm", 1), ("sigterm", 2)])
-def test_a_load_ended_early_reports_rates_over_the_time_it_ran(
-    fake_server, tmp_path, how, workers
-):
+def test_a_load_ended_early_reports_rates_over_the_time_it_ran(fake_server, tmp_path, how, workers):
     """A 60 s schedule ended after ~2 s, by the control (stop) or by SIGTERM to the process
     group: the summary is written and its rates divide by the seconds that ran (and were
     reported), not by the 60 planned."""
