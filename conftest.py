@@ -211,6 +211,11 @@ _ATTACHMENTS = (
     ("recovery.svg", "recovery chart (SVG)", allure.attachment_type.SVG),
     ("timeline.csv", "timeline", allure.attachment_type.CSV),
     ("summary.json", "summary", allure.attachment_type.JSON),
+    (
+        "load/summary.json",
+        "load summary (achieved QPS, goodput, TTFT/ITL/TPOT/e2e p50..p99.9)",
+        allure.attachment_type.JSON,
+    ),
     ("journal.json", "Chaos Toolkit journal", allure.attachment_type.JSON),
     ("report.html", "run report", allure.attachment_type.HTML),
 )
@@ -225,6 +230,10 @@ def report_outcome(outcome: ExperimentOutcome) -> None:
         allure.dynamic.parameter("qps", f"{result.qps_run:g} (asked {result.qps_asked:g})")
         allure.dynamic.parameter("SLA", f"{result.sla_s:g} s")
         allure.dynamic.parameter("recovery time", f"{result.recovery_time_s} s")
+        load = result.load or {}
+        for name, key in (("TTFT p99", "ttft_ms"), ("TPOT p99", "tpot_ms")):
+            allure.dynamic.parameter(name, f"{(load.get(key) or {}).get('p99')} ms")
+        allure.dynamic.parameter("goodput", f"{load.get('goodput_qps')} QPS")
     journal = outcome.journal or {}
     states = journal.get("steady_states") or {}
     _phase_step("steady state before the method", (states.get("before") or {}).get("probes"))

@@ -272,6 +272,9 @@ class ChaosRun:
             bad_token_share=s.bad_token_share,
             bad_tokens=s.bad_tokens,
             timeout_s=s.request_timeout_s,
+            goodput_ttft_ms=s.ttft_slo_ms,
+            goodput_tpot_ms=s.tpot_slo_ms,
+            goodput_e2e_ms=s.p99_slo_ms,
             run_dir=str(self.run_dir / "load"),
             owner_pid=os.getpid(),
         )

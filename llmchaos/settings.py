@@ -115,6 +115,8 @@ SETTING_RANGES: dict[str, Range] = {
     "warmup_s": Range(0, 3600),
     "max_duration_s": Range(0, 7 * _DAY_S, low_open=True),
     "p99_slo_ms": Range(0, 3_600_000, low_open=True),
+    "ttft_slo_ms": Range(0, 3_600_000, low_open=True),
+    "tpot_slo_ms": Range(0, 3_600_000, low_open=True),
     "error_rate_slo": Range(0, 1),
     "queue_depth_slo": Range(0, 1e9),
     "sla_s": Range(0, _DAY_S, low_open=True),
@@ -213,7 +215,12 @@ class RunSettings:
 
     # -- the SLO and the verdict ---------------------------------------------------------
     p99_slo_ms: float = 3000.0
-    """P99 end-to-end latency (from scheduled send time) a window may have."""
+    """P99 end-to-end latency (from scheduled send time) a window may have; also the
+    end-to-end limit of one request in the goodput (`probes.slo.goodput_qps`)."""
+    ttft_slo_ms: float = 2000.0
+    """Goodput: time to first token one request may take (MLPerf's llama3.1-8b server SLO)."""
+    tpot_slo_ms: float = 100.0
+    """Goodput: time per output token one streamed request may take (MLPerf, llama3.1-8b)."""
     error_rate_slo: float = 0.01
     """Failed share a window may have (classes in `error_classes`, dropped sends included)."""
     error_classes: tuple[str, ...] = SLO_ERROR_CLASSES

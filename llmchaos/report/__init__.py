@@ -71,7 +71,7 @@ def _write_csv(
     out.writerow(
         [
             *("ts", "scheduled", "ok", *(f"failed_{c}" for c in classes), "dropped"),
-            *("p50_ms", "p99_ms", "gpu", "cpu"),
+            *("p50_ms", "p99_ms", "ttft_p99_ms", "itl_p99_ms", "tpot_p99_ms", "gpu", "cpu"),
             *("window_p99_ms", "window_error_rate", "window_meets_slo"),
         ]
     )
@@ -82,6 +82,7 @@ def _write_csv(
                 *(r.ts, r.scheduled, r.ok, *(r.failed.get(c, 0) for c in classes)),
                 r.dropped,
                 *(_round(r.latency.quantile(0.5)), _round(r.latency.quantile(0.99))),
+                *(_round(r.stream_p99_ms.get(n)) for n in ("ttft_ms", "itl_ms", "tpot_ms")),
                 *(r.modes.get("gpu", 0), r.modes.get("cpu", 0)),
                 *((w.p99_ms, w.error_rate, w.meets_slo) if w else ("", "", "")),
             ]

@@ -102,6 +102,9 @@ def test_load_stops_itself_when_its_owner_is_killed(fake_server, tmp_path):
     assert took_s < 8.0, took_s  # ~3 s: 1 s check, drain, final reports, summary, quit
     assert summary.accounting_closed and summary.ok == summary.scheduled
     assert 50 <= summary.scheduled < 50 * 10, summary.scheduled
+    # rates over the seconds the load ran, not the planned 60 (issue 10: 0.65 QPS for 50)
+    assert summary.stopped_early and 1.5 <= summary.ran_s < 10, summary.ran_s
+    assert summary.achieved_qps == pytest.approx(50, rel=0.15), summary
     assert _wait_for(lambda: not ours & set(find_load_processes()), 5.0)
     assert "owner process" in (run_dir / "locust.log").read_text()
 
