@@ -94,9 +94,9 @@ def set_qps(run: ChaosRun, qps: float) -> float:
     """Change the load's total rate from now on; undone (back to the previous rate) at the
     run's end. Returns the previous rate."""
     qps = argument_ranges(run.settings)["qps"].check("qps", qps)
-    cap = run.settings.embedded_max_qps
-    if run.settings.target == "embedded" and qps > cap:
-        run.notes.append(f"set_qps: {qps:g} asked, {cap:g} sent (embedded_max_qps)")
+    cap = run.max_qps()
+    if cap is not None and qps > cap:
+        run.notes.append(f"set_qps: {qps:g} asked, {cap:g} sent (the target's cap)")
         qps = cap
     previous = run.current_qps
     with run.fault(

@@ -32,7 +32,7 @@ from typing import Any
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.report.summary import RunResult
 from llmchaos.signals import held
-from llmchaos.stack.config import DEFAULT_VARIANT
+from llmchaos.targets import DEFAULT_VARIANT
 
 __all__ = ["ALLURE_CATEGORIES", "SUITES", "GamedayResult", "run_gameday"]
 

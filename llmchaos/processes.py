@@ -9,12 +9,16 @@ Plain Python (no gevent, no asyncio): the stack, the load and the run layer all 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["Owner", "OwnerKind", "find_marked", "pid_alive", "start_ticks"]
+__all__ = ["Owner", "OwnerKind", "find_marked", "pid_alive", "start_ticks", "stop_pids"]
 
 
 def start_ticks(pid: int) -> int | None:
@@ -122,3 +126,40 @@ def find_marked(name: str) -> dict[int, str]:
                 found[int(entry.name)] = item[len(prefix) :].decode(errors="replace")
                 break
     return found
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def stop_pids(pids: Sequence[int], grace_s: float = 3.0) -> list[int]:
+    """SIGTERM `pids`, SIGKILL what is still alive after `grace_s`; returns the pids that were
+    alive at the start."""
+    alive = [pid for pid in pids if pid_alive(pid)]
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    remaining = list(alive)
+    while remaining and time.monotonic() < deadline:
+        for pid in remaining:
+            _reap(pid)
+        remaining = [pid for pid in remaining if pid_alive(pid)]
+        if remaining:
+            time.sleep(0.05)
+    for pid in remaining:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in remaining:
+        _wait_gone(pid, 2.0)
+    return alive
+
+
+def _wait_gone(pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _reap(pid)
+        if not pid_alive(pid):
+            return
+        time.sleep(0.02)

@@ -30,25 +30,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmchaos.backends import Backend, TargetInfo
-from llmchaos.backends.embedded import EmbeddedBackend
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.files import read_json_object, write_json_atomic
 from llmchaos.ledger import LEDGER_FILE, FaultEntry, FaultLedger, Undo
 from llmchaos.load import LoadConfig, LoadRun, Summary
 from llmchaos.load.api import find_load_processes
-from llmchaos.processes import Owner, start_ticks
+from llmchaos.processes import Owner, start_ticks, stop_pids
 from llmchaos.redact import redact, redact_text
 from llmchaos.report import RunFacts, RunResult, write_run_report
 from llmchaos.settings import RunSettings
-from llmchaos.stack.procs import stop_pids
+from llmchaos.targets import Target, TargetInfo, target_kind
 
 __all__ = [
     "JOURNAL_FILE",
     "RUN_FILE",
     "ChaosRun",
     "NoActiveRun",
-    "RunsCleanup",
     "current_run",
     "finish_dead_runs",
     "planned_target",
@@ -85,42 +82,24 @@ def current_run() -> ChaosRun:
 
 def planned_target(settings: RunSettings) -> TargetInfo:
     """The target's names before anything changes (for checking an experiment first): the
-    embedded stack's layout, or what the cluster runs now (read-only API calls)."""
-    if settings.target == "embedded":
-        return EmbeddedBackend.planned_info(settings.stack_config())
-    backend = _kubernetes_backend(settings)
-    try:
-        return backend.info()
-    finally:
-        backend.close()
-
-
-def _kubernetes_backend(settings: RunSettings) -> Backend:
-    from llmchaos.backends.kubernetes import KubernetesBackend
-
-    return KubernetesBackend(settings.kubernetes_settings())
+    embedded stack's layout, what the cluster runs now (read-only API calls), the hosts
+    file's names."""
+    assert settings.target_settings is not None
+    return target_kind(settings.target).plan(settings.target_settings)
 
 
 def _close_faults(ledger: FaultLedger, run_data: dict[str, Any]) -> list[str]:
-    """Undo a dead run's open faults through its cluster, or (embedded) mark them removed
-    with the stack, which the stack cleanup stops."""
-    faults = ledger.open_faults()
-    for fault in faults:
+    """Close a dead run's open faults: those of the load (gone with it), then the target's,
+    through its kind (undone on a cluster; removed with the embedded stack)."""
+    for fault in ledger.open_faults():
         if fault.undo is not None and fault.undo.op in LOAD_UNDO_OPS:
             ledger.mark_undone(fault.id, by="cleanup (the load is gone)")
-    faults = ledger.open_faults()
-    if run_data.get("target") != "k8s":
-        for fault in faults:
-            ledger.mark_undone(fault.id, by="cleanup (removed with the embedded stack)")
+    if not ledger.open_faults():
         return []
-    if not faults:
-        return []
-    settings = RunSettings(target="k8s", k8s=dict(run_data["settings"]["k8s"]))
-    backend = _kubernetes_backend(settings)
-    try:
-        return ledger.undo_all(lambda undo: backend.undo(undo.op, undo.args), by="cleanup")
-    finally:
-        backend.close()
+    settings = RunSettings.from_record(run_data["settings"])
+    assert settings.target_settings is not None
+    record = run_data.get("target_record") or {}
+    return target_kind(settings.target).finish_dead_run(settings.target_settings, record, ledger)
 
 
 def _slug(text: str) -> str:
@@ -137,7 +116,7 @@ class ChaosRun:
     title: str
     run_dir: Path
     ledger: FaultLedger
-    backend: Backend | None = None
+    backend: Target | None = None
     load: LoadRun | None = None
     load_start_ts: float | None = None
     current_qps: float = 0.0
@@ -181,7 +160,7 @@ class ChaosRun:
             "name": self.name,
             "title": self.title,
             "target": self.settings.target,
-            "stack_state_dir": self._stack_state_dir(),
+            "target_record": self.backend.record() if self.backend else None,
             "load_run_dir": str(self.load.run_dir.resolve()) if self.load else None,
             "load_start_ts": self.load_start_ts,
             "qps_run": self.settings.effective_qps,
@@ -223,26 +202,14 @@ class ChaosRun:
             started_at=self.started_at,
         )
 
-    def _stack_state_dir(self) -> str | None:
-        if isinstance(self.backend, EmbeddedBackend):
-            return self.backend.topology.state_dir
-        return None
-
     # -- starting ------------------------------------------------------------------------
-    def start_target(self) -> Backend:
-        """Start the embedded stack, or connect to the cluster; recorded in run.json."""
-        if self.settings.target == "k8s":
-            k8s = self.settings.kubernetes_settings()
-            log.info(
-                "llmchaos: target Kubernetes namespace %s (allowed: %s)",
-                k8s.namespace,
-                ", ".join(k8s.allowed_namespaces),
-            )
-            self.backend = _kubernetes_backend(self.settings)
-        else:
-            log.info("llmchaos: starting the embedded stack (variant %s)", self.settings.variant)
-            owner = Owner.this_process("run", str(self.run_dir))
-            self.backend = EmbeddedBackend.start(self.settings.stack_config(), owner=owner)
+    def start_target(self) -> Target:
+        """Start the target (the embedded stack) or connect to it; recorded in run.json."""
+        s = self.settings
+        assert s.target_settings is not None
+        log.info("llmchaos: opening the %s target (variant %s)", s.target, s.variant)
+        owner = Owner.this_process("run", str(self.run_dir))
+        self.backend = target_kind(s.target).open(s.target_settings, owner)
         self.write_state("running")
         return self.backend
 
@@ -252,8 +219,8 @@ class ChaosRun:
         s = self.settings
         if s.effective_qps < s.qps:
             note = (
-                f"qps: the experiment asks {s.qps:g}; the embedded stack on this machine runs "
-                f"{s.effective_qps:g} (embedded_max_qps: load, stack and faults share "
+                f"qps: the experiment asks {s.qps:g}; the {s.target} target on this machine "
+                f"takes {s.effective_qps:g} (embedded_max_qps: load, stack and faults share "
                 f"{os.cpu_count()} cores; set LLMCHAOS_EMBEDDED_MAX_QPS to change it)"
             )
             self.notes.append(note)
@@ -266,11 +233,7 @@ class ChaosRun:
             workers=workers,
             profile=s.load_profile,
             tokens_file=backend.tokens_file,
-            stream_share=s.stream_share,
-            output_median_tokens=s.output_median_tokens,
-            prompt_max_tokens=s.prompt_max_tokens,
-            bad_token_share=s.bad_token_share,
-            bad_tokens=s.bad_tokens,
+            traffic=s.traffic,
             timeout_s=s.request_timeout_s,
             goodput_ttft_ms=s.ttft_slo_ms,
             goodput_tpot_ms=s.tpot_slo_ms,
@@ -297,7 +260,7 @@ class ChaosRun:
             log.info("llmchaos: warming up for %.0f s", remaining_s)
             time.sleep(remaining_s)
 
-    def _backend(self) -> Backend:
+    def _backend(self) -> Target:
         if self.backend is None:
             raise NoActiveRun("the run's target is not started")
         return self.backend
@@ -308,7 +271,7 @@ class ChaosRun:
         return self.load
 
     @property
-    def target(self) -> Backend:
+    def target(self) -> Target:
         return self._backend()
 
     @property
@@ -322,6 +285,11 @@ class ChaosRun:
         log.info("llmchaos: fault %s on %s", fault, target)
         with self.ledger.inject(fault, target, undo) as details:
             yield details
+
+    def max_qps(self) -> float | None:
+        """The most the target takes (the embedded stack's embedded_max_qps), None: no cap."""
+        assert self.settings.target_settings is not None
+        return target_kind(self.settings.target).max_qps(self.settings.target_settings)
 
     def last_fault_ts(self) -> float | None:
         return self.ledger.last_fault_at()
@@ -361,11 +329,10 @@ class ChaosRun:
                 return None
 
     def stop_target(self) -> None:
-        """Stop the embedded stack; a cluster is left as it is (its faults are undone)."""
-        if isinstance(self.backend, EmbeddedBackend):
-            log.info("llmchaos: stopping the embedded stack")
-            self.backend.stop()
-        elif self.backend is not None:
+        """Close the target: the embedded stack is stopped, a cluster is left as it is (its
+        faults are undone)."""
+        if self.backend is not None:
+            log.info("llmchaos: closing the %s target", self.settings.target)
             self.backend.close()
 
     def close(self, status: str) -> None:
@@ -378,18 +345,9 @@ class ChaosRun:
                 _current = None
 
 
-@dataclass
-class RunsCleanup:
-    """What `finish_dead_runs` did: one line per thing, and the stacks of the runs it
-    finished (the stack cleanup removes them even while a named run's owner lives)."""
-
-    lines: list[str] = field(default_factory=list)
-    stack_ids: list[str] = field(default_factory=list)
-
-
 def finish_dead_runs(
     runs_root: Path, run_ids: Sequence[str] = (), dry_run: bool = False
-) -> RunsCleanup:
+) -> list[str]:
     """Finish what runs whose `chaos run` was killed left behind (or the runs named in
     `run_ids`, whatever their owner); see the module docstring.
 
@@ -399,9 +357,11 @@ def finish_dead_runs(
     closed: on a cluster each is undone through the Kubernetes backend; on the embedded stack
     every fault lives in the stack's processes and namespaces, which the stack cleanup that
     follows removes. A killed run's report is rebuilt from what is on disk, and the run is
-    marked abandoned. Raises InvalidInput for a named run that does not exist.
+    marked abandoned. A run named in `run_ids` also has its target's leftovers removed here,
+    though its owner may live. One line per thing done; raises InvalidInput for a named run
+    that does not exist.
     """
-    result = RunsCleanup()
+    lines: list[str] = []
     loads = find_load_processes()
     named = set(run_ids)
     missing = sorted(r for r in named if not (Path(runs_root) / r / RUN_FILE).exists())
@@ -423,26 +383,32 @@ def finish_dead_runs(
         pids = [pid for pid, where in loads.items() if Path(where).is_relative_to(run_dir)]
         ledger = FaultLedger(run_dir / LEDGER_FILE)
         faults = ledger.open_faults()
-        result.lines.append(
+        lines.append(
             f"run {run_dir.name}: owner {owner.describe()}; load processes "
             f"{' '.join(map(str, pids)) or '-'}; open faults "
             f"{', '.join(f'{f.fault}({f.target})' for f in faults) or '-'}"
         )
-        stack_dir = data.get("stack_state_dir")
-        if stack_dir and run_dir.name in named:
-            result.stack_ids.append(Path(stack_dir).name)
         if dry_run:
             continue
         stop_pids(pids, grace_s=3.0)
         try:
-            result.lines += _close_faults(ledger, data)
+            lines += _close_faults(ledger, data)
         except LLMChaosError as exc:  # a cluster out of reach: say so, go on with the rest
-            result.lines.append(f"run {run_dir.name}: faults left open: {exc}")
+            lines.append(f"run {run_dir.name}: faults left open: {exc}")
         if status == "running":
-            result.lines.append(_rebuild_line(run_dir, data))
+            lines.append(_rebuild_line(run_dir, data))
+        if run_dir.name in named:
+            lines += _remove_target(data)
         data["status"] = "faults-open" if ledger.open_faults() else "abandoned"
         write_json_atomic(run_file, data)
-    return result
+    return lines
+
+
+def _remove_target(run_data: dict[str, Any]) -> list[str]:
+    settings = RunSettings.from_record(run_data["settings"])
+    assert settings.target_settings is not None
+    record = run_data.get("target_record") or {}
+    return target_kind(settings.target).remove_run_target(settings.target_settings, record)
 
 
 def _rebuild_line(run_dir: Path, data: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from llmchaos.gameday import SUITES, run_gameday
 from llmchaos.run import RUN_FILE, finish_dead_runs
 from llmchaos.settings import RunSettings
 from llmchaos.signals import held
-from llmchaos.stack.cleanup import cleanup
+from llmchaos.targets import KINDS, CleanupRequest, target_kind
 from llmchaos.validation import validate_experiment_file
 
 __all__ = ["register"]
@@ -58,8 +58,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     clean.add_argument(
         "--state-root",
         type=Path,
-        default=Path(_DEFAULTS.stacks_root),
-        help=f"folder of the stacks' state folders (default {_DEFAULTS.stacks_root})",
+        default=None,
+        help="folder of the embedded stacks' state folders (default reports/stacks)",
     )
     clean.add_argument(
         "--runs-root",
@@ -111,18 +111,22 @@ def _cleanup(args: argparse.Namespace) -> int:
     if args.everything and not args.dry_run and not _confirmed(args):
         print("llmchaos cleanup: --all not confirmed; nothing done", file=sys.stderr)
         return 1
-    run_ids = [p.name for p in sorted(args.runs_root.glob(f"*/{RUN_FILE}"))]
+    every_run = [p.name for p in sorted(args.runs_root.glob(f"*/{RUN_FILE}"))]
+    only_named = bool(args.stack or args.run) and not args.everything
+    lines: list[str] = []
     with held("cleaning up"):
-        runs = finish_dead_runs(
-            args.runs_root, run_ids if args.everything else args.run, dry_run=args.dry_run
-        )
-        for line in runs.lines:
+        run_ids = every_run if args.everything else args.run
+        for line in finish_dead_runs(args.runs_root, run_ids, dry_run=args.dry_run):
             print(("would finish " if args.dry_run else "finished ") + line)
-        if (args.stack or args.run) and not args.everything:
-            report = cleanup(args.state_root, [*args.stack, *runs.stack_ids], dry_run=args.dry_run)
-        else:
-            report = cleanup(args.state_root, everything=args.everything, dry_run=args.dry_run)
-    lines = report.lines(dry_run=args.dry_run)
+        if not only_named or args.stack:
+            request = CleanupRequest(
+                state_root=args.state_root,
+                names=tuple(args.stack),
+                everything=args.everything,
+                dry_run=args.dry_run,
+            )
+            for name in KINDS:
+                lines += target_kind(name).cleanup(request)
     print("cleanup:" if lines else "cleanup: nothing left behind")
     for line in lines:
         print(f"  {line}")

@@ -25,7 +25,6 @@ from llmchaos.files import read_json_object
 from llmchaos.report.summary import RunResult
 from llmchaos.run import RUN_FILE, finish_dead_runs
 from llmchaos.signals import held
-from llmchaos.stack.cleanup import cleanup
 
 __all__ = ["ExperimentOutcome", "failure_message", "run_experiment"]
 
@@ -117,10 +116,7 @@ def _stop(proc: subprocess.Popen[bytes], runs_root: Path) -> int:
         code = proc.wait()
     run_dir = _run_dir(runs_root)
     if run_dir is not None:
-        finished = finish_dead_runs(runs_root, [run_dir.name])
-        stack_dir = (read_json_object(run_dir / RUN_FILE) or {}).get("stack_state_dir")
-        if stack_dir and finished.stack_ids:
-            cleanup(Path(stack_dir).parent, finished.stack_ids)
+        finish_dead_runs(runs_root, [run_dir.name])
     return code
 
 

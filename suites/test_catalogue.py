@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, ExperimentRunner, report_outcome
 from llmchaos.errors import InvalidInput
 from llmchaos.runner import failure_message
-from llmchaos.stack.config import DEFAULT_VARIANT
+from llmchaos.targets import DEFAULT_VARIANT
 from llmchaos.validation import ExperimentMeta, experiment_meta, validate_experiment_file
 
 pytestmark = pytest.mark.resilience

@@ -53,8 +53,8 @@ from kubernetes.stream import stream
 from kubernetes.utils import parse_quantity
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmchaos.backends import Backend, TargetInfo, WorkerRef
 from llmchaos.errors import ComponentNotReady, InvalidInput, StackError
+from llmchaos.targets import Target, TargetInfo, TargetSettings, WorkerRef
 
 __all__ = [
     "PROTECTED_NAMESPACES",
@@ -89,16 +89,16 @@ _HANDSHAKE_STATUS = re.compile(r"Handshake status (\d{3})")
 
 
 @dataclass(frozen=True, kw_only=True)
-class KubernetesSettings:
+class KubernetesSettings(TargetSettings):
     """Where the inference stack runs on the cluster and how far chaos may reach.
 
     Validated when built: InvalidInput names the field and what would be right.
     """
 
-    allowed_namespaces: tuple[str, ...]
+    allowed_namespaces: tuple[str, ...] = ()
     """Required, non-empty: the only namespaces chaos may act in; `namespace` must be one of
     them, system namespaces (kube-system, kube-public, kube-node-lease) may not be listed.
-    No default on purpose: a run must say where it is allowed to break things."""
+    Empty by default, which is refused: a run must say where it may break things."""
     namespace: str = "llmchaos"
     """Namespace of the inference stack (deploy/00-namespace.yaml creates `llmchaos`)."""
     kubeconfig: str | None = None
@@ -435,10 +435,10 @@ def _node_of(pod: Any) -> str:
 _T = TypeVar("_T")
 
 
-class KubernetesBackend(Backend):
+class KubernetesBackend(Target):
     """The inference stack in one namespace of a cluster; see the module docstring."""
 
-    UNDO_OPS: ClassVar[frozenset[str]] = Backend.UNDO_OPS | {"uncordon_node"}
+    UNDO_OPS: ClassVar[frozenset[str]] = Target.UNDO_OPS | {"uncordon_node"}
     """heal_partition, restore_gateway, and uncordon_node (undoes cordon_node/drain_node)."""
 
     def __init__(self, settings: KubernetesSettings, api_client: k8s.ApiClient | None = None):

@@ -60,7 +60,7 @@ def check_config(config: LoadConfig) -> None:
     build_profile(config)
     split_url(config.url)
     tenants = load_tenants(config.tokens_file) if config.tokens_file else []
-    check_bad_tokens(config.bad_tokens, config.bad_token_share, tenants)
+    check_bad_tokens(config.traffic.bad_tokens, config.traffic.bad_token_share, tenants)
     if config.owner_pid is not None and start_ticks(config.owner_pid) is None:
         raise InvalidInput(f"owner_pid: no process {config.owner_pid} is running")
     if config.check_target:

@@ -10,10 +10,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from llmchaos.errors import InvalidInput
 from llmchaos.load.api import LoadRun
 from llmchaos.load.capacity import run_capacity, write_chart
 from llmchaos.load.config import LoadConfig
 from llmchaos.load.goodput import parse_goodput
+from llmchaos.load.traffic import TrafficSpec
 from llmchaos.signals import held
 
 __all__ = ["register"]
@@ -22,6 +24,21 @@ __all__ = ["register"]
 _COMMON: list[tuple[str, str, Any, str]] = [
     ("--workers", "workers", int, "Locust processes (1: local runner; N: master + N workers)"),
     ("--tokens", "tokens_file", str, 'tokens file {"tokens": [{"token", "tenant", "revoked"}]}'),
+    ("--timeout-s", "timeout_s", float, "whole-request timeout, seconds"),
+    (
+        "--inflight-cap",
+        "inflight_cap",
+        int,
+        "most requests in flight per worker (over it: dropped)",
+    ),
+    ("--seed", "seed", int, "seed of schedules and traffic"),
+    ("--live-port", "live_port", int, "port of the live JSON/Prometheus endpoint (0: any)"),
+    ("--web-ui-port", "web_ui_port", int, "serve the Locust web UI on this port"),
+    ("--run-dir", "run_dir", str, "folder for the run's files (default: a temp folder)"),
+    ("--step-s", "step_s", float, "length of one step of the stepped profile, seconds"),
+]
+# (flag, TrafficSpec field, type, help): the request mix, as a chaos run's settings name it.
+_TRAFFIC: list[tuple[str, str, Any, str]] = [
     (
         "--bad-token-share",
         "bad_token_share",
@@ -36,18 +53,6 @@ _COMMON: list[tuple[str, str, Any, str]] = [
     ),
     ("--model", "model", str, "model name sent in every request"),
     ("--stream-share", "stream_share", float, "share of streaming (SSE) requests"),
-    ("--timeout-s", "timeout_s", float, "whole-request timeout, seconds"),
-    (
-        "--inflight-cap",
-        "inflight_cap",
-        int,
-        "most requests in flight per worker (over it: dropped)",
-    ),
-    ("--seed", "seed", int, "seed of schedules and traffic"),
-    ("--live-port", "live_port", int, "port of the live JSON/Prometheus endpoint (0: any)"),
-    ("--web-ui-port", "web_ui_port", int, "serve the Locust web UI on this port"),
-    ("--run-dir", "run_dir", str, "folder for the run's files (default: a temp folder)"),
-    ("--step-s", "step_s", float, "length of one step of the stepped profile, seconds"),
     (
         "--prompt-tokens",
         "prompt_tokens",
@@ -59,8 +64,10 @@ _COMMON: list[tuple[str, str, Any, str]] = [
         "--output-tokens",
         "output_tokens",
         str,
-        "max_tokens: N | uniform:LO:HI | normal:MEAN:SD (default: log-normal, median 64)",
+        "max_tokens: N | uniform:LO:HI | normal:MEAN:SD (default: log-normal around "
+        "--output-median-tokens)",
     ),
+    ("--output-median-tokens", "output_median_tokens", int, "median max_tokens (log-normal)"),
 ]
 _LOAD: list[tuple[str, str, Any, str]] = [
     ("--qps", "qps", float, "total arrival rate, requests/s"),
@@ -74,7 +81,7 @@ _CAPACITY: list[tuple[str, str, Any, str]] = [
     ("--step-qps", "step_increment_qps", float, "QPS added per step"),
     ("--max-qps", "step_max_qps", float, "last step, QPS"),
 ]
-_DEFAULTS = {f.name: f.default for f in fields(LoadConfig)}
+_DEFAULTS = {f.name: f.default for f in (*fields(LoadConfig), *fields(TrafficSpec))}
 
 
 def _add(
@@ -94,12 +101,26 @@ def _config(args: argparse.Namespace, specs: list[tuple[str, str, Any, str]]) ->
     return LoadConfig(
         url=args.url,
         owner_pid=os.getpid(),
-        ignore_eos=args.ignore_eos,
+        traffic=_traffic(args),
         goodput_ttft_ms=slo.ttft_ms,
         goodput_tpot_ms=slo.tpot_ms,
         goodput_e2e_ms=slo.e2e_ms,
         **values,
     )
+
+
+def _traffic(args: argparse.Namespace) -> TrafficSpec:
+    """The request mix of the flags; InvalidInput names the flag, as the user wrote it."""
+    flags = {name: flag for flag, name, _, _ in _TRAFFIC}
+    try:
+        return TrafficSpec(
+            **{name: getattr(args, name) for name in flags}, ignore_eos=args.ignore_eos
+        )
+    except InvalidInput as exc:
+        name, sep, rest = str(exc).partition(":")
+        if sep and name in flags:
+            raise InvalidInput(f"{flags[name]}:{rest}") from None
+        raise
 
 
 def _add_shaping(parser: argparse.ArgumentParser) -> None:
@@ -148,7 +169,7 @@ def register(subparsers: Any) -> None:
     """Add the `load` and `capacity` subcommands."""
     load = subparsers.add_parser("load", help="open-loop LLM load against a URL")
     load.add_argument("--url", required=True, help="base URL of the target, http://host:port")
-    _add(load, _LOAD + _COMMON)
+    _add(load, _LOAD + _COMMON + _TRAFFIC)
     _add_shaping(load)
     load.set_defaults(func=_load)
 
@@ -159,6 +180,6 @@ def register(subparsers: Any) -> None:
     capacity.add_argument(
         "--out", default="reports/capacity", help="folder for capacity.json and .svg"
     )
-    _add(capacity, _CAPACITY + _COMMON, step_s=30.0)
+    _add(capacity, _CAPACITY + _COMMON + _TRAFFIC, step_s=30.0)
     _add_shaping(capacity)
     capacity.set_defaults(func=_capacity)

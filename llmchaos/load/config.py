@@ -11,13 +11,13 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput
 from llmchaos.load.goodput import GoodputSlo
-from llmchaos.load.traffic import check_bad_tokens, parse_length
+from llmchaos.load.traffic import TrafficSpec
 
 __all__ = ["PROFILE_NAMES", "LoadConfig", "default_run_dir", "validate"]
 
@@ -59,44 +59,9 @@ class LoadConfig:
     tokens_file: str | None = None
     """Tokens file [--tokens]: {"tokens": [{"token", "tenant", "revoked"}]}. None: no
     Authorization header."""
-    bad_token_share: float = 0.0
-    """Share of requests sent with a revoked or unknown token [--bad-token-share] (auth chaos)."""
-    bad_tokens: str = "mixed"
-    """Which bad tokens that share sends [--bad-tokens]: "mixed" (default, half revoked tokens
-    from the tokens file, half random unknown ones), "revoked" (only revoked tokens of the file;
-    the file must have some when bad_token_share > 0) or "unknown" (only random unknown tokens).
-    The two test different things: after a mass token refresh clients keep sending the same
-    few stale tokens, which is what negative caching protects against; random unknown tokens
-    never repeat, so each is a cache miss that reaches the token table (cache penetration),
-    which negative caching cannot stop."""
-    model: str = "llmchaos-7b"
-    """Model name in every request [--model] (the embedded stack serves llmchaos-7b)."""
-    stream_share: float = 0.3
-    """Share of streaming (SSE) requests, where TTFT, ITL and TPOT are measured
-    [--stream-share]."""
-    prompt_alpha: float = 1.2
-    """Tail exponent of the Zipf-like prompt length law (field: 1.2)."""
-    prompt_min_tokens: int = 10
-    """Shortest user prompt in tokens (field: 10)."""
-    prompt_max_tokens: int = 4096
-    """Longest user prompt in tokens (field: 4096)."""
-    prompt_tokens: str | None = None
-    """User-prompt length law [--prompt-tokens]: `N`, `uniform:LO:HI` or `normal:MEAN:SD`;
-    None: the Zipf-like law of prompt_alpha, prompt_min_tokens and prompt_max_tokens."""
-    context_tokens: int = 512
-    """Context template sent as the system message of every request (field: 512 tokens;
-    0: none) [--context-tokens]."""
-    output_median_tokens: int = 64
-    """Median max_tokens (log-normal, sigma 0.7): chat answers of a few sentences."""
-    output_max_tokens: int = 1024
-    """Largest max_tokens drawn."""
-    output_tokens: str | None = None
-    """max_tokens law [--output-tokens], the forms of prompt_tokens; None: log-normal around
-    output_median_tokens."""
-    ignore_eos: bool = False
-    """Send `ignore_eos: true` (vLLM's extension) so that a real model produces exactly
-    max_tokens, as peer benchmarks do for fixed output lengths [--ignore-eos]. The embedded
-    stack's engines never stop early anyway."""
+    traffic: TrafficSpec = field(default_factory=TrafficSpec)
+    """The request mix: models, prompt and output lengths, streaming, bad tokens (one
+    definition, llmchaos.load.traffic.TrafficSpec, shared with the chaos run's settings)."""
     goodput_ttft_ms: float | None = None
     """Goodput SLO on TTFT, ms [--goodput ttft:MS]; None: not part of it (goodput.py)."""
     goodput_tpot_ms: float | None = None
@@ -162,7 +127,7 @@ class LoadConfig:
         """Raises InvalidInput on unknown fields or invalid JSON."""
         try:
             data: dict[str, Any] = json.loads(text)
-            return cls(**data)
+            return cls(**{**data, "traffic": TrafficSpec(**data.get("traffic", {}))})
         except (ValueError, TypeError) as exc:
             raise InvalidInput(f"load config: {exc}") from None
 
@@ -177,7 +142,6 @@ _POSITIVE = {
     "burst_duration_s": "burst_duration_s",
     "burst_windows_per_min": "burst_windows_per_min",
 }
-_SHARES = {"stream_share": "--stream-share", "bad_token_share": "--bad-token-share"}
 
 
 def validate(config: LoadConfig) -> None:
@@ -186,10 +150,6 @@ def validate(config: LoadConfig) -> None:
         value = getattr(config, name)
         if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
             raise InvalidInput(f"{flag}: expected a number > 0, got {value!r}")
-    for name, flag in _SHARES.items():
-        value = getattr(config, name)
-        if not 0.0 <= value <= 1.0:
-            raise InvalidInput(f"{flag}: expected a share within 0..1, got {value!r}")
     if config.duration_s is not None and not config.duration_s > 0:
         raise InvalidInput(f"--duration: expected seconds > 0, got {config.duration_s!r}")
     if not 1 <= config.workers <= 64:
@@ -202,24 +162,10 @@ def validate(config: LoadConfig) -> None:
             f"step_max_qps >= step_start_qps, got {config.step_increment_qps!r}, "
             f"{config.step_start_qps!r}..{config.step_max_qps!r}"
         )
-    if not 1 <= config.prompt_min_tokens <= config.prompt_max_tokens:
-        raise InvalidInput(
-            "prompt lengths: expected 1 <= prompt_min_tokens <= prompt_max_tokens, got "
-            f"{config.prompt_min_tokens!r}..{config.prompt_max_tokens!r}"
-        )
     if not config.url.startswith(("http://", "https://")):
         raise InvalidInput(f"--url: expected http://host:port, got {config.url!r}")
     if config.burst_factor < 0:
         raise InvalidInput(f"burst_factor: expected >= 0, got {config.burst_factor!r}")
-    check_bad_tokens(config.bad_tokens, config.bad_token_share, None)
-    for law, flag in (
-        (config.prompt_tokens, "--prompt-tokens"),
-        (config.output_tokens, "--output-tokens"),
-    ):
-        if law is not None:
-            parse_length(law, flag)
-    if config.context_tokens < 0:
-        raise InvalidInput(f"--context-tokens: expected >= 0, got {config.context_tokens!r}")
     for name, key in (
         ("goodput_ttft_ms", "ttft"),
         ("goodput_tpot_ms", "tpot"),

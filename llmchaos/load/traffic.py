@@ -20,7 +20,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
+from llmchaos.configuration import Range, check_ranges
 from llmchaos.errors import InvalidInput
 from llmchaos.stack.tokens import make_text
 
@@ -51,25 +53,81 @@ class Tenant:
 
 @dataclass(frozen=True)
 class TrafficSpec:
-    """Parameters of the request mix (the load config copies them from its own fields)."""
+    """The request mix: one definition with one set of defaults, used by the load's library
+    (`LoadConfig.traffic`), its command line (the flags in brackets), the Locust processes
+    and a chaos run's settings (configuration keys of the same names). Checked when built;
+    InvalidInput names the field."""
 
     model: str = "llmchaos-7b"
-    prompt_alpha: float = 1.2
-    prompt_min_tokens: int = 10
-    prompt_max_tokens: int = 4096
-    context_tokens: int = 512
-    output_median_tokens: int = 64
-    output_sigma: float = 0.7
-    output_max_tokens: int = 1024
+    """Model name in every request [--model] (the embedded stack serves llmchaos-7b)."""
     stream_share: float = 0.3
-    bad_token_share: float = 0.0
-    bad_tokens: str = "mixed"
+    """Share of streaming (SSE) requests, where TTFT, ITL and TPOT are measured
+    [--stream-share]."""
+    prompt_alpha: float = 1.2
+    """Tail exponent of the Zipf-like prompt length law (field: 1.2)."""
+    prompt_min_tokens: int = 10
+    """Shortest user prompt in tokens (field: 10)."""
+    prompt_max_tokens: int = 4096
+    """Longest user prompt in tokens (field: 4096)."""
     prompt_tokens: str | None = None
-    """A length law (parse_length) for the user prompt; None: the Zipf-like law above."""
+    """User-prompt length law [--prompt-tokens]: `N`, `uniform:LO:HI` or `normal:MEAN:SD`;
+    None: the Zipf-like law of prompt_alpha, prompt_min_tokens and prompt_max_tokens."""
+    context_tokens: int = 512
+    """Context template sent as the system message of every request (field: 512 tokens;
+    0: none) [--context-tokens]."""
+    output_median_tokens: int = 8
+    """Median max_tokens (log-normal, sigma `output_sigma`, so P99 ~5x the median). 8: short
+    answers, so that the embedded stack's two simulated GPUs carry the catalogue's rate with
+    one of them killed; typical chat is ~64 (set it, or --output-tokens, on a cluster)."""
+    output_sigma: float = 0.7
+    """Spread of the log-normal max_tokens law."""
+    output_max_tokens: int = 1024
+    """Largest max_tokens drawn."""
     output_tokens: str | None = None
-    """A length law for max_tokens; None: log-normal around output_median_tokens."""
+    """max_tokens law [--output-tokens], the forms of prompt_tokens; None: log-normal around
+    output_median_tokens."""
     ignore_eos: bool = False
-    """Send vLLM's `ignore_eos: true`, so a real model produces exactly max_tokens."""
+    """Send `ignore_eos: true` (vLLM's extension) so that a real model produces exactly
+    max_tokens, as peer benchmarks do for fixed output lengths [--ignore-eos]. The embedded
+    stack's engines never stop early anyway."""
+    bad_token_share: float = 0.0
+    """Share of requests sent with a revoked or unknown token [--bad-token-share] (auth
+    chaos)."""
+    bad_tokens: str = "mixed"
+    """Which bad tokens that share sends [--bad-tokens]: "mixed" (default, half revoked tokens
+    from the tokens file, half random unknown ones), "revoked" (only revoked tokens of the
+    file; the file must have some when bad_token_share > 0) or "unknown" (only random unknown
+    tokens). The two test different things: after a mass token refresh clients keep sending
+    the same few stale tokens, which is what negative caching protects against; random
+    unknown tokens never repeat, so each is a cache miss that reaches the token table (cache
+    penetration), which negative caching cannot stop."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "stream_share": Range(0, 1),
+        "prompt_alpha": Range(0, 10, low_open=True),
+        "prompt_min_tokens": Range(1, 1_000_000),
+        "prompt_max_tokens": Range(1, 1_000_000),
+        "context_tokens": Range(0, 1_000_000),
+        "output_median_tokens": Range(1, 32_768),
+        "output_sigma": Range(0, 5),
+        "output_max_tokens": Range(1, 1_000_000),
+        "bad_token_share": Range(0, 1),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self.RANGES)
+        if self.prompt_min_tokens > self.prompt_max_tokens:
+            raise InvalidInput(
+                "prompt_min_tokens: expected at most prompt_max_tokens "
+                f"({self.prompt_max_tokens}), got {self.prompt_min_tokens}"
+            )
+        check_bad_tokens(self.bad_tokens, self.bad_token_share, None)
+        for law, name in (
+            (self.prompt_tokens, "prompt_tokens"),
+            (self.output_tokens, "output_tokens"),
+        ):
+            if law is not None:
+                parse_length(law, name)
 
 
 @dataclass(frozen=True)
@@ -155,7 +213,7 @@ def check_bad_tokens(kind: str, share: float, tenants: Sequence[Tenant] | None) 
     """
     if kind not in BAD_TOKEN_KINDS:
         raise InvalidInput(
-            f"--bad-tokens: expected one of {', '.join(BAD_TOKEN_KINDS)}, got {kind!r}"
+            f"bad_tokens: expected one of {', '.join(BAD_TOKEN_KINDS)}, got {kind!r}"
         )
     if (
         kind == "revoked"
@@ -164,7 +222,7 @@ def check_bad_tokens(kind: str, share: float, tenants: Sequence[Tenant] | None) 
         and not any(t.revoked for t in tenants)
     ):
         raise InvalidInput(
-            "--bad-tokens: 'revoked' with --bad-token-share > 0 needs revoked tokens in the "
+            "bad_tokens: 'revoked' with bad_token_share > 0 needs revoked tokens in the "
             "tokens file (--tokens), and there are none"
         )
 
@@ -183,12 +241,12 @@ class TrafficModel:
         self._prompt_law = (
             None
             if spec.prompt_tokens is None
-            else parse_length(spec.prompt_tokens, "--prompt-tokens")
+            else parse_length(spec.prompt_tokens, "prompt_tokens")
         )
         self._output_law = (
             None
             if spec.output_tokens is None
-            else parse_length(spec.output_tokens, "--output-tokens")
+            else parse_length(spec.output_tokens, "output_tokens")
         )
         self._content: dict[int, bytes] = {}
         model = b'{"model":' + json.dumps(spec.model).encode() + b',"messages":['

@@ -29,7 +29,7 @@ from llmchaos.load.profiles import build_profile
 from llmchaos.load.responses import Answer
 from llmchaos.load.schedule import ArrivalSchedule
 from llmchaos.load.timeline import Recorder
-from llmchaos.load.traffic import TrafficModel, TrafficSpec, load_tenants
+from llmchaos.load.traffic import TrafficModel, load_tenants
 from llmchaos.load.wire import START_MESSAGE_WAIT_S, config_from_options, request_head, split_url
 
 __all__ = ["WORKER", "OpenLoopLLMUser"]
@@ -98,7 +98,7 @@ class OpenLoopLLMUser(User):
             profile, share=1.0 / workers, index=index, seed=config.seed
         )
         tenants = load_tenants(config.tokens_file) if config.tokens_file else None
-        traffic = TrafficModel(_traffic_spec(config), tenants, config.seed * 7919 + index)
+        traffic = TrafficModel(config.traffic, tenants, config.seed * 7919 + index)
         stats_events = self.environment.events if config.locust_stats else None
         sender = _Sender(config, traffic, stats_events)
         reporter = gevent.spawn(self._report_loop, sender.recorder, config.report_interval_s)
@@ -156,24 +156,6 @@ class OpenLoopLLMUser(User):
     def _send_report(self, recorder: Recorder, final: bool) -> None:
         report = recorder.take_report(self.next_due_s, final=final)
         self.environment.runner.send_message("llmchaos_report", report)
-
-
-def _traffic_spec(config: LoadConfig) -> TrafficSpec:
-    return TrafficSpec(
-        model=config.model,
-        prompt_alpha=config.prompt_alpha,
-        prompt_min_tokens=config.prompt_min_tokens,
-        prompt_max_tokens=config.prompt_max_tokens,
-        context_tokens=config.context_tokens,
-        output_median_tokens=config.output_median_tokens,
-        output_max_tokens=config.output_max_tokens,
-        stream_share=config.stream_share,
-        bad_token_share=config.bad_token_share,
-        bad_tokens=config.bad_tokens,
-        prompt_tokens=config.prompt_tokens,
-        output_tokens=config.output_tokens,
-        ignore_eos=config.ignore_eos,
-    )
 
 
 class _Sender:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmchaos.errors import ComponentNotReady, InvalidInput
-from llmchaos.processes import Owner, pid_alive
+from llmchaos.processes import Owner, pid_alive, stop_pids
 from llmchaos.signals import deferred
 
 __all__ = [
@@ -118,43 +118,6 @@ def spawn(
                 process.stdin.write((stdin_text or "").encode())
             process.stdin.close()
         return process
-
-
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def stop_pids(pids: Sequence[int], grace_s: float = 3.0) -> list[int]:
-    """SIGTERM `pids`, SIGKILL what is still alive after `grace_s`; returns the pids that were
-    alive at the start."""
-    alive = [pid for pid in pids if pid_alive(pid)]
-    for pid in alive:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    remaining = list(alive)
-    while remaining and time.monotonic() < deadline:
-        for pid in remaining:
-            _reap(pid)
-        remaining = [pid for pid in remaining if pid_alive(pid)]
-        if remaining:
-            time.sleep(0.05)
-    for pid in remaining:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in remaining:
-        _wait_gone(pid, 2.0)
-    return alive
-
-
-def _wait_gone(pid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        _reap(pid)
-        if not pid_alive(pid):
-            return
-        time.sleep(0.02)
 
 
 STACK_ID_PATTERN = re.compile(r"\d{8}-\d{6}-[0-9a-f]{4}")

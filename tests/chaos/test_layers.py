@@ -1,5 +1,7 @@
-"""One direction of dependency: probes/ and actions/ -> llmchaos -> llmchaos.backends ->
-llmchaos.stack / llmchaos.load. Checked on the source, like an import-linter contract."""
+"""One direction of dependency: probes/ and actions/ -> the run layer of llmchaos -> the
+targets' door (llmchaos.targets) -> each target kind (embedded -> llmchaos.stack, kubernetes
+-> llmchaos.backends, hosts) / llmchaos.load. The run layer reaches a target only through its
+door. Checked on the source, like an import-linter contract."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from conftest import REPO
 RUN_LAYER = (
     "llmchaos.control",
     "llmchaos.run",
+    "llmchaos.run_cli",
     "llmchaos.measure",
     "llmchaos.faults",
     "llmchaos.report",
@@ -20,16 +23,25 @@ RUN_LAYER = (
     "llmchaos.runner",
     "llmchaos.gameday",
     "llmchaos.settings",
-    "llmchaos.ledger",
     "llmchaos.analysis",
 )
-"""The run layer of llmchaos: what backends, the stack and the load must not know."""
+"""The run layer of llmchaos: what the targets, the stack and the load must not know."""
+TARGET_INSIDES = (
+    "llmchaos.targets.embedded",
+    "llmchaos.targets.kubernetes",
+    "llmchaos.targets.hosts",
+    "llmchaos.stack",
+    "llmchaos.backends",
+)
+"""What only a target kind may import: the run layer goes through llmchaos.targets."""
 
 CONTRACTS = [
     ("llmchaos", ("probes", "actions")),
+    *((module.replace(".", "/"), TARGET_INSIDES) for module in RUN_LAYER),
+    ("llmchaos/targets", RUN_LAYER),
     ("llmchaos/backends", RUN_LAYER),
-    ("llmchaos/stack", (*RUN_LAYER, "llmchaos.backends", "llmchaos.load")),
-    ("llmchaos/load", (*RUN_LAYER, "llmchaos.backends", "llmchaos.stack")),
+    ("llmchaos/stack", (*RUN_LAYER, "llmchaos.targets", "llmchaos.backends", "llmchaos.load")),
+    ("llmchaos/load", (*RUN_LAYER, "llmchaos.targets", "llmchaos.backends", "llmchaos.stack")),
 ]
 ALLOWED = {"llmchaos.stack.tokens"}
 """Shared on purpose: the load counts tokens exactly as the engine does."""
@@ -49,11 +61,23 @@ def _imports(path: Path) -> set[str]:
 def test_imports_point_one_way(package: str, forbidden: tuple[str, ...]) -> None:
     broken = [
         f"{path.relative_to(REPO)} imports {name}"
-        for path in sorted((REPO / package).rglob("*.py"))
+        for path in _sources(REPO / package)
         for name in sorted(_imports(path))
         if name not in ALLOWED and any(name == f or name.startswith(f + ".") for f in forbidden)
     ]
     assert not broken, "\n".join(broken)
+
+
+def _sources(where: Path) -> list[Path]:
+    """The Python files of a package folder, or the module file itself."""
+    if where.with_suffix(".py").is_file():
+        return [where.with_suffix(".py")]
+    return sorted(where.rglob("*.py"))
+
+
+def test_every_contract_names_existing_code() -> None:
+    missing = [package for package, _ in CONTRACTS if not _sources(REPO / package)]
+    assert not missing, missing
 
 
 def test_the_contract_can_fail(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def test_a_k8s_runs_folder_holds_no_redis_password(tmp_path: Path) -> None:
     )
     run = ChaosRun.open(settings, "secrets", "a k8s run")
     try:
-        run.save_journal({"experiment": {"configuration": {"k8s_redis_url": settings.k8s}}})
+        run.save_journal({"experiment": {"configuration": settings.to_dict()}})
         text = (run.run_dir / "run.json").read_text() + (run.run_dir / "journal.json").read_text()
     finally:
         run.close("finished")

@@ -11,7 +11,9 @@ import pytest
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import FaultLedger, Undo
+from llmchaos.load.traffic import TrafficSpec
 from llmchaos.settings import SETTING_RANGES, RunSettings
+from llmchaos.targets.embedded import EmbeddedSettings
 
 
 def test_configuration_wins_over_environment_over_default() -> None:
@@ -24,8 +26,13 @@ def test_configuration_wins_over_environment_over_default() -> None:
 
 
 def test_embedded_qps_is_capped_and_cluster_qps_is_not() -> None:
-    assert RunSettings(qps=5000).effective_qps == RunSettings().embedded_max_qps
+    settings = RunSettings(qps=5000)
+    assert settings.effective_qps == settings.target_settings.embedded_max_qps  # type: ignore[union-attr]
     assert RunSettings(qps=50).effective_qps == 50
+    k8s = RunSettings.from_configuration(
+        {"target": "k8s", "qps": 5000, "k8s_allowed_namespaces": "llm", "k8s_namespace": "llm"}, {}
+    )
+    assert k8s.effective_qps == 5000
 
 
 @pytest.mark.parametrize(
@@ -42,7 +49,12 @@ def test_embedded_qps_is_capped_and_cluster_qps_is_not() -> None:
         ({"warmup_s": 1e12}, {}, "warmup_s: expected a number within 0..3,600"),
         ({"warmup_s": 600, "max_duration_s": 300}, {}, "warmup_s: expected less than"),
         (
-            {"target": "k8s", "qps": 500_000, "k8s_allowed_namespaces": "llm"},
+            {
+                "target": "k8s",
+                "qps": 500_000,
+                "k8s_allowed_namespaces": "llm",
+                "k8s_namespace": "llm",
+            },
             {},
             "qps: 500,000 needs 200 load processes on this machine",
         ),
@@ -74,13 +86,19 @@ def test_configuration_keys_the_experiment_uses_itself_are_allowed() -> None:
     RunSettings.from_configuration(configuration, {}, other_keys={"my_team", "dashboard_url"})
 
 
-def test_every_number_of_the_settings_has_a_range() -> None:
-    numbers = [
-        f.name
-        for f in dataclasses.fields(RunSettings)
-        if typing.get_type_hints(RunSettings)[f.name] in (int, float)
-    ]
-    assert sorted(numbers) == sorted(SETTING_RANGES)
+@pytest.mark.parametrize(
+    ("cls", "ranges"),
+    [
+        (RunSettings, SETTING_RANGES),
+        (TrafficSpec, TrafficSpec.RANGES),
+        (EmbeddedSettings, EmbeddedSettings.RANGES),
+    ],
+    ids=["run", "traffic", "embedded"],
+)
+def test_every_number_of_the_settings_has_a_range(cls: type, ranges: dict[str, object]) -> None:
+    hints = typing.get_type_hints(cls)
+    numbers = [f.name for f in dataclasses.fields(cls) if hints[f.name] in (int, float)]
+    assert sorted(numbers) == sorted(ranges)
 
 
 def test_the_ledger_holds_the_fault_before_the_action_runs(tmp_path: Path) -> None:

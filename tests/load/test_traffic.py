@@ -13,7 +13,6 @@ from llmchaos.cli import main
 from llmchaos.errors import InvalidInput
 from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.api import check_config
-from llmchaos.load.config import validate
 from llmchaos.load.traffic import Tenant, TrafficModel, TrafficSpec, load_tenants
 from llmchaos.stack.tokens import count_tokens
 
@@ -40,7 +39,7 @@ def test_prompt_lengths_in_range_with_declared_tail():
 
 
 def test_output_lengths_bounded_around_median():
-    model = TrafficModel(TrafficSpec(), seed=2)
+    model = TrafficModel(TrafficSpec(output_median_tokens=64), seed=2)
     outs = sorted(model.output_tokens() for _ in range(20_000))
     assert outs[0] >= 1
     assert outs[-1] <= 1024
@@ -89,7 +88,7 @@ def _bad_auths(kind: str, n: int = 5000) -> list[str]:
 
 
 def test_mixed_is_the_default_and_sends_both_kinds():
-    assert TrafficSpec().bad_tokens == LoadConfig().bad_tokens == "mixed"
+    assert TrafficSpec().bad_tokens == LoadConfig().traffic.bad_tokens == "mixed"
     bad = _bad_auths("mixed")
     revoked = sum(1 for a in bad if a in ("Bearer r1", "Bearer r2"))
     assert 1800 < len(bad) < 2200
@@ -110,25 +109,26 @@ def test_unknown_sends_only_random_tokens_that_never_repeat():
     assert len(set(bad)) == len(bad)
 
 
-def test_bad_tokens_kind_is_validated_naming_the_flag():
-    message = r"--bad-tokens: expected one of mixed, revoked, unknown, got 'stale'"
+def test_bad_tokens_kind_is_validated_naming_the_field():
+    message = r"bad_tokens: expected one of mixed, revoked, unknown, got 'stale'"
     with pytest.raises(InvalidInput, match=message):
-        validate(LoadConfig(bad_tokens="stale"))
-    with pytest.raises(InvalidInput, match=message):
-        TrafficModel(TrafficSpec(bad_tokens="stale"))
+        TrafficSpec(bad_tokens="stale")
 
 
 def test_revoked_needs_revoked_tokens_when_a_share_is_asked(tmp_path: Path):
     fresh = tmp_path / "fresh.json"
     fresh.write_text('{"tokens": [{"token": "a", "tenant": "x", "revoked": false}]}')
-    message = "--bad-tokens: 'revoked' with --bad-token-share > 0 needs revoked tokens"
+    message = "bad_tokens: 'revoked' with bad_token_share > 0 needs revoked tokens"
     for tokens_file in (str(fresh), None):
         config = LoadConfig(
-            tokens_file=tokens_file, bad_tokens="revoked", bad_token_share=0.1, check_target=False
+            tokens_file=tokens_file,
+            traffic=TrafficSpec(bad_tokens="revoked", bad_token_share=0.1),
+            check_target=False,
         )
         with pytest.raises(InvalidInput, match=message):
             check_config(config)
-    check_config(LoadConfig(tokens_file=str(fresh), bad_tokens="revoked", check_target=False))
+    traffic = TrafficSpec(bad_tokens="revoked")
+    check_config(LoadConfig(tokens_file=str(fresh), traffic=traffic, check_target=False))
     with pytest.raises(InvalidInput, match=message):
         TrafficModel(TrafficSpec(bad_token_share=0.1, bad_tokens="revoked"), [Tenant("a", "x")])
 

@@ -1,8 +1,8 @@
-"""The embedded reference stack as a chaos target: real processes, namespaces and Redis.
+"""The embedded reference stack as a live target: real processes, namespaces and Redis.
 
-    backend = EmbeddedBackend.start(StackConfig(...))   # or EmbeddedBackend(topology)
-    backend.kill_gpu_process("gpu-0"); backend.partition_node("node-a"); ...
-    backend.stop()
+    target = EmbeddedTarget(start_stack(StackConfig(...)))   # or of a stack already up
+    target.kill_gpu_process("gpu-0"); target.partition_node("node-a"); ...
+    target.close()                                           # stops the stack
 
 The topology is read again from disk for every operation: restoring a gateway changes its
 pid, and the topology file is where that is written.
@@ -21,56 +21,49 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmchaos.backends import Backend, TargetInfo, WorkerRef
 from llmchaos.errors import InvalidInput, StackError
-from llmchaos.processes import Owner, pid_alive
+from llmchaos.processes import pid_alive
 from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import http_get_status
-from llmchaos.stack.stack import node_layout, restart_gateway, start_stack, stop_stack, use_netns
+from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
 from llmchaos.stack.topology import Topology, read_secrets
+from llmchaos.targets import Target, TargetInfo, WorkerRef
 
-__all__ = ["EmbeddedBackend"]
+__all__ = ["EmbeddedTarget", "planned_info"]
 
 _READ_TIMEOUT_S = 0.5
 """Timeout of one metrics or health read: a partitioned node must not stall a probe."""
 
 
-class EmbeddedBackend(Backend):
+def planned_info(config: StackConfig) -> TargetInfo:
+    """The names a stack started from `config` will have, known before starting it."""
+    roles = ("primary", "backup") if get_variant(config.variant).backup_gateway else ("primary",)
+    return TargetInfo(
+        nodes=tuple(node for node, _ in node_layout(config)),
+        workers=tuple(
+            WorkerRef(worker, mode, node)
+            for node, workers in node_layout(config)
+            for worker, mode in workers
+        ),
+        gateways=tuple(f"gateway-{role}" for role in roles),
+        partitions_supported=use_netns(config),
+    )
+
+
+class EmbeddedTarget(Target):
     """A running embedded stack, known by its state folder."""
 
     def __init__(self, topology: Topology) -> None:
         self._state_dir = Path(topology.state_dir)
         self._topology = topology
 
-    @classmethod
-    def start(
-        cls, config: StackConfig, *, owner: Owner | None = None, progress: bool = True
-    ) -> EmbeddedBackend:
-        """Start a stack owned by `owner` (see llmchaos.stack.stack.start_stack for what can
-        be raised)."""
-        return cls(start_stack(config, progress=progress, owner=owner))
-
-    @staticmethod
-    def planned_info(config: StackConfig) -> TargetInfo:
-        """The names a stack started from `config` will have, known before starting it."""
-        roles = (
-            ("primary", "backup") if get_variant(config.variant).backup_gateway else ("primary",)
-        )
-        return TargetInfo(
-            nodes=tuple(node for node, _ in node_layout(config)),
-            workers=tuple(
-                WorkerRef(worker, mode, node)
-                for node, workers in node_layout(config)
-                for worker, mode in workers
-            ),
-            gateways=tuple(f"gateway-{role}" for role in roles),
-            partitions_supported=use_netns(config),
-        )
-
-    def stop(self) -> None:
+    def close(self) -> None:
         """Stop the whole stack; safe to call twice."""
         stop_stack(self.topology)
+
+    def record(self) -> dict[str, Any]:
+        return {"stack_state_dir": str(self._state_dir)}
 
     @property
     def topology(self) -> Topology:

@@ -1,0 +1,360 @@
+"""Targets: what a chaos run breaks and reads, each reached through this one door.
+
+    kind = target_kind("embedded")                 # or "k8s", "hosts" (registry below)
+    settings = kind.settings(configuration, environ)
+    info = kind.plan(settings)                     # names, checked before anything changes
+    target = kind.open(settings, owner)            # start it (embedded) or connect to it
+    target.kill_gpu_process("gpu-0")               # faults; each undone by an op in UNDO_OPS
+    target.undo("heal_partition", {"node": "node-a"})
+    target.close()                                 # stop what open() started
+    kind.finish_dead_run(record, ledger)           # a killed run's open faults
+    kind.cleanup(request)                          # what dead owners left on this machine
+
+    Target          a live target: faults with their undo, readings, lifecycle
+    TargetKind      one kind of target: its settings, planning, opening, cleanup
+    TargetSettings  base of each kind's settings dataclass (its own configuration keys)
+    TargetInfo      the names an experiment may use (workers, nodes, gateways)
+
+The run layer (llmchaos.run, control, settings, validation, ...) imports this module only,
+never a kind's package; the kinds are found by name in `KINDS` and imported when first used
+(the Kubernetes client alone takes a third of a second to import). The layer below: a target
+knows nothing of the run (no ledger writes, no load, no Chaos Toolkit).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from llmchaos.configuration import build_settings, settings_from_record, settings_keys
+from llmchaos.errors import InvalidInput
+from llmchaos.ledger import FaultLedger
+from llmchaos.processes import Owner
+
+__all__ = [
+    "DEFAULT_VARIANT",
+    "KINDS",
+    "CleanupRequest",
+    "Target",
+    "TargetInfo",
+    "TargetKind",
+    "TargetSettings",
+    "WorkerRef",
+    "register_kind",
+    "target_kind",
+]
+
+DEFAULT_VARIANT = "hardened"
+"""The target as it should be; every other variant is a known-bad one."""
+
+KINDS: dict[str, str] = {
+    "embedded": "llmchaos.targets.embedded:KIND",
+    "k8s": "llmchaos.targets.kubernetes:KIND",
+}
+"""Target name -> "module:attribute" of its TargetKind."""
+
+_loaded: dict[str, TargetKind] = {}
+
+
+def target_kind(name: str) -> TargetKind:
+    """The kind of target called `name`; raises InvalidInput listing the known ones."""
+    if name not in _loaded:
+        where = KINDS.get(name)
+        if where is None:
+            raise InvalidInput(f"target: expected one of {', '.join(KINDS)}, got {name!r}")
+        module, _, attribute = where.partition(":")
+        _loaded[name] = getattr(importlib.import_module(module), attribute)
+    return _loaded[name]
+
+
+def register_kind(name: str, kind: TargetKind) -> None:
+    """Make `kind` a target called `name` (tests: a fake target behind the same door)."""
+    KINDS[name] = f"{type(kind).__module__}:<registered>"
+    _loaded[name] = kind
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    """An engine worker as experiments name it."""
+
+    name: str
+    mode: str
+    """gpu or cpu."""
+    node: str
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """The names an experiment may use against this target."""
+
+    nodes: tuple[str, ...]
+    workers: tuple[WorkerRef, ...]
+    gateways: tuple[str, ...]
+    partitions_supported: bool
+    """False when nodes cannot be cut off (embedded stack without network namespaces)."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """The embedded stack's names (gpu-0, node-a, primary) for this target's own ones (pod
+    and node names), so the catalogue runs unchanged on a cluster."""
+
+    def _real(self, name: str) -> str:
+        """A real name stays itself (a cluster node may well be called node-a)."""
+        known = {*self.nodes, *(w.name for w in self.workers), *self.gateways}
+        return name if name in known else self.aliases.get(name, name)
+
+    def gpu_workers(self, worker: str = "", node: str = "") -> list[str]:
+        """GPU workers selected by name ("*" = all) or by node; real names.
+
+        Raises InvalidInput for unknown names or a selection with no GPU worker in it.
+        """
+        gpus = [w for w in self.workers if w.mode == "gpu"]
+        if bool(worker) == bool(node):
+            raise InvalidInput(
+                "give exactly one of worker (a name, or '*' for all) and node; got "
+                f"worker={worker!r}, node={node!r}"
+            )
+        if worker == "*":
+            picked = gpus
+        elif worker:
+            known = [w.name for w in gpus]
+            if self._real(worker) not in known:
+                raise InvalidInput(
+                    f"worker: unknown GPU worker {worker!r}; GPU workers: {', '.join(known)}"
+                )
+            picked = [w for w in gpus if w.name == self._real(worker)]
+        else:
+            real_node = self.node_name(node)
+            picked = [w for w in gpus if w.node == real_node]
+        if not picked:
+            raise InvalidInput(
+                f"node {node!r} runs no GPU worker" if node else "the target has no GPU worker"
+            )
+        return [w.name for w in picked]
+
+    def node_name(self, node: str) -> str:
+        """The real name of `node`; raises InvalidInput when it is not a node of the target."""
+        real = self._real(node)
+        if real not in self.nodes:
+            raise InvalidInput(f"node: unknown node {node!r}; nodes: {', '.join(self.nodes)}")
+        return real
+
+    def check_node(self, node: str) -> None:
+        """Raises InvalidInput when `node` is not a node of the target."""
+        self.node_name(node)
+
+    def gateway_names(self, gateway: str) -> list[str]:
+        """Gateways selected by role or name: "primary", "all", or a gateway name."""
+        if gateway == "all":
+            return list(self.gateways)
+        if gateway in ("primary", "backup"):
+            named = [g for g in self.gateways if g.endswith("-" + gateway)]
+            if named:
+                return named
+        if self._real(gateway) in self.gateways:
+            return [self._real(gateway)]
+        raise InvalidInput(
+            f"gateway: unknown gateway {gateway!r}; expected primary, all or one of "
+            f"{', '.join(self.gateways)}"
+        )
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    """Base of every kind's settings dataclass: each field has a default and a docstring."""
+
+    variant: str = DEFAULT_VARIANT
+    """Which variant of the target: the default, or a known-bad one that removes exactly one
+    protection (the negative controls). Each kind says which it has."""
+
+    def to_record(self) -> dict[str, Any]:
+        """JSON data for run.json (secrets are masked by whoever writes it)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Variant:
+    variant: str = DEFAULT_VARIANT
+
+
+class Target(ABC):
+    """A live target: what faults act on and target-side probes read.
+
+    Every method that changes the target is undone by one named in `UNDO_OPS` and is
+    idempotent, so the run's ledger can replay undos after any failure.
+    """
+
+    UNDO_OPS: ClassVar[frozenset[str]] = frozenset({"heal_partition", "restore_gateway"})
+    """Methods the ledger may call to undo a fault."""
+
+    @abstractmethod
+    def info(self) -> TargetInfo:
+        """Names of nodes, workers and gateways."""
+
+    @property
+    @abstractmethod
+    def gateway_url(self) -> str:
+        """Base URL the load sends to (OpenAI-compatible)."""
+
+    @property
+    @abstractmethod
+    def tokens_file(self) -> str | None:
+        """Tokens file for the load, None when the target needs no auth."""
+
+    def record(self) -> dict[str, Any]:
+        """What run.json keeps to find this target again (a killed run's cleanup)."""
+        return {}
+
+    @abstractmethod
+    def close(self) -> None:
+        """The run is over: stop what opening it started (the embedded stack), or just let
+        go of it (a cluster). Safe to call twice."""
+
+    # -- faults --------------------------------------------------------------------------
+    @abstractmethod
+    def kill_gpu_process(self, worker: str) -> dict[str, Any]:
+        """SIGKILL the process holding worker's GPU; returns {"worker", "pid", ...}."""
+
+    @abstractmethod
+    def partition_node(self, node: str) -> None:
+        """Drop all traffic in and out of `node` (both directions). Idempotent."""
+
+    @abstractmethod
+    def heal_partition(self, node: str) -> None:
+        """Undo partition_node. Idempotent."""
+
+    @abstractmethod
+    def crash_gateway(self, gateway: str) -> dict[str, Any]:
+        """Kill gateway `gateway` (by name) at once; returns {"gateway", "pid"}."""
+
+    @abstractmethod
+    def restore_gateway(self, gateway: str) -> None:
+        """Start `gateway` again if it is not running and wait for it. Idempotent."""
+
+    @abstractmethod
+    def expire_token_cache(self, ttl_s: float) -> int:
+        """Delete every cached token (ttl_s = 0) or set its TTL to `ttl_s`; returns the
+        number of keys touched."""
+
+    # -- readings ------------------------------------------------------------------------
+    @abstractmethod
+    def queue_depth(self) -> float:
+        """Requests waiting in the engines (vLLM: sum of vllm:num_requests_waiting)."""
+
+    @abstractmethod
+    def healthy_workers(self, mode: str = "") -> int:
+        """Workers answering ready, of `mode` (gpu, cpu; "" = any)."""
+
+    def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
+        """How the target's parts came back after `since_ts` (Krkn-style restart and
+        readiness times), None when the target cannot tell."""
+        return None
+
+    def undo(self, op: str, args: dict[str, Any]) -> None:
+        """Run undo operation `op`; raises InvalidInput for anything not in UNDO_OPS."""
+        if op not in self.UNDO_OPS:
+            known = ", ".join(sorted(self.UNDO_OPS))
+            raise InvalidInput(f"undo: unknown operation {op!r}; expected one of {known}")
+        getattr(self, op)(**args)
+
+
+@dataclass(frozen=True)
+class CleanupRequest:
+    """What `llmchaos cleanup` was asked."""
+
+    state_root: Path | None = None
+    """Where the embedded stacks' state folders are; None: the default (each kind reads what
+    concerns it)."""
+    names: tuple[str, ...] = ()
+    """Things named explicitly (`--stack ID`, and the stacks of runs named with `--run`):
+    removed whatever their owner."""
+    everything: bool = False
+    dry_run: bool = False
+
+
+class TargetKind(ABC):
+    """One kind of target: its settings, planning, opening and cleanup (see the module doc).
+
+    Subclasses set `name`, `settings_type` and `prefix` (of their configuration keys and,
+    upper-cased after LLMCHAOS_, their environment variables)."""
+
+    name: ClassVar[str]
+    settings_type: ClassVar[type[TargetSettings]]
+    prefix: ClassVar[str] = ""
+
+    def settings(
+        self, configuration: Mapping[str, Any], environ: Mapping[str, str]
+    ) -> TargetSettings:
+        """This kind's settings from the experiment's configuration and the environment;
+        raises InvalidInput naming the key. `variant` has no prefix: every experiment names
+        it the same way, whatever its target (the suites pass `--var variant=...`)."""
+        variant = build_settings(_Variant, configuration, environ).variant
+        settings = build_settings(
+            self.settings_type,
+            configuration,
+            environ,
+            prefix=self.prefix,
+            extra={"variant": variant},
+        )
+        self.check_variant(settings)
+        return settings
+
+    def keys(self) -> set[str]:
+        """Configuration keys the settings read."""
+        return settings_keys(self.settings_type, self.prefix) - {self.prefix + "variant"} | {
+            "variant"
+        }
+
+    def from_record(self, data: dict[str, Any]) -> TargetSettings:
+        """Settings as `to_record` wrote them."""
+        return settings_from_record(self.settings_type, data, "target_settings")
+
+    def variants(self, settings: TargetSettings) -> tuple[str, ...]:
+        """Names of this target's variants: the default first, then the known-bad ones."""
+        return (DEFAULT_VARIANT,)
+
+    def check_variant(self, settings: TargetSettings) -> None:
+        known = self.variants(settings)
+        if settings.variant not in known:
+            raise InvalidInput(
+                f"variant: unknown variant {settings.variant!r}; expected one of: {', '.join(known)}"
+            )
+
+    def max_qps(self, settings: TargetSettings) -> float | None:
+        """Highest rate a run sends to this target whatever it asks, None for no cap."""
+        return None
+
+    @abstractmethod
+    def plan(self, settings: TargetSettings) -> TargetInfo:
+        """The names the target will have, before anything is started or changed (pre-flight:
+        raises InvalidInput for what cannot work here)."""
+
+    @abstractmethod
+    def open(self, settings: TargetSettings, owner: Owner) -> Target:
+        """Start the target or connect to it, for a run owned by `owner`."""
+
+    def reattach(self, settings: TargetSettings, record: dict[str, Any]) -> Target:
+        """The target of a dead run again, from its `record()`, to undo its faults."""
+        raise InvalidInput(f"target {self.name}: cannot reattach to a dead run's target")
+
+    def finish_dead_run(
+        self, settings: TargetSettings, record: dict[str, Any], ledger: FaultLedger
+    ) -> list[str]:
+        """Close a killed run's open faults; one line per fault."""
+        target = self.reattach(settings, record)
+        try:
+            return ledger.undo_all(lambda undo: target.undo(undo.op, undo.args), by="cleanup")
+        finally:
+            target.close()
+
+    def remove_run_target(self, settings: TargetSettings, record: dict[str, Any]) -> list[str]:
+        """Remove what one run's target left on this machine, whatever its owner (`cleanup
+        --run ID`); one line per thing. Nothing for targets the run did not start."""
+        return []
+
+    def cleanup(self, request: CleanupRequest) -> list[str]:
+        """Remove what dead owners of this kind left on this machine; one line per thing
+        removed or left alone."""
+        return []

@@ -1,0 +1,147 @@
+"""The embedded reference stack as a target kind: started by the run, stopped at its end.
+
+Settings are configuration keys without a prefix (`variant`, `gpu_workers`, `gpu_load_s`,
+...) or `LLMCHAOS_<FIELD>`; the stack itself is llmchaos.stack, which only this package (and
+`llmchaos stack ...`) reaches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from llmchaos.configuration import Range, check_ranges
+from llmchaos.ledger import FaultLedger
+from llmchaos.processes import Owner
+from llmchaos.stack.cleanup import cleanup
+from llmchaos.stack.config import VARIANTS, StackConfig
+from llmchaos.stack.stack import start_stack
+from llmchaos.stack.topology import Topology
+from llmchaos.targets import CleanupRequest, Target, TargetInfo, TargetKind, TargetSettings
+from llmchaos.targets.embedded.target import EmbeddedTarget, planned_info
+
+__all__ = ["KIND", "EmbeddedKind", "EmbeddedSettings", "EmbeddedTarget"]
+
+
+@dataclass(frozen=True)
+class EmbeddedSettings(TargetSettings):
+    """The embedded stack a run starts (keys without prefix; LLMCHAOS_<FIELD>)."""
+
+    netns: Literal["auto", "on", "off"] = "auto"
+    """Nodes as network namespaces: auto = when root (partitions need it)."""
+    gpu_workers: int = 2
+    """GPU workers (node-a, node-b, ...)."""
+    cpu_workers: int = 1
+    """CPU fallback workers (on the node after the GPU nodes)."""
+    gpu_load_s: float = 10.0
+    """Model-load time of a GPU worker after a restart: the not-ready gap a GPU kill opens. A
+    7B model on Kubernetes takes ~45 s (seed); 10 s keeps runs short and still longer than
+    the recovery window, so a target that does not route around it shows."""
+    first_load_s: float = 2.0
+    """Model-load time at the first start only, so the stack is up in seconds."""
+    restart_delay_s: float = 0.5
+    """Node agents' wait before restarting a dead worker (kubelet back-off)."""
+    token_db_latency_ms: float = 5.0
+    """Token table round trip per lookup (a networked DB)."""
+    token_db_pool_size: int = 4
+    """SQLite connections per gateway: what a cache stampede queues on."""
+    tenants: int = 8
+    """Tenants seeded in the token table."""
+    embedded_max_qps: float = 50.0
+    """Highest rate a run sends to the embedded stack, whatever its `qps` says. The software
+    path carries ~1500 QPS of tiny requests here (bench/stack_capacity.py), but the two
+    simulated GPUs are the limit for LLM-shaped ones: one must carry all of it once the
+    other is killed (a cluster is sized to survive one failure), and at 50 QPS of the default
+    traffic its P99 stays near 2 s, under the 3 s SLO."""
+    stacks_root: str = "reports/stacks"
+    """Folder of the stacks' state folders."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "gpu_workers": Range(0, 64),
+        "cpu_workers": Range(0, 64),
+        "gpu_load_s": Range(0, 3600),
+        "first_load_s": Range(0, 3600),
+        "restart_delay_s": Range(0, 600),
+        "token_db_latency_ms": Range(0, 10_000),
+        "token_db_pool_size": Range(1, 1000),
+        "tenants": Range(1, 100_000),
+        # the embedded stack runs on one machine: four times what the load sends from 2 cores
+        "embedded_max_qps": Range(0, 20_000, low_open=True),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, self.RANGES)
+        self.stack_config()  # the stack's own checks (worker counts, ...)
+
+    def stack_config(self) -> StackConfig:
+        """The embedded stack these settings ask for."""
+        return StackConfig(
+            variant=self.variant,
+            netns=self.netns,
+            gpu_workers=self.gpu_workers,
+            cpu_workers=self.cpu_workers,
+            port=0,
+            gpu_load_s=self.gpu_load_s,
+            first_load_s=self.first_load_s,
+            restart_delay_s=self.restart_delay_s,
+            token_db_latency_ms=self.token_db_latency_ms,
+            token_db_pool_size=self.token_db_pool_size,
+            tenants=self.tenants,
+            state_root=Path(self.stacks_root),
+        )
+
+
+class EmbeddedKind(TargetKind):
+    """See the module docstring."""
+
+    name = "embedded"
+    settings_type = EmbeddedSettings
+
+    def variants(self, settings: TargetSettings) -> tuple[str, ...]:
+        return tuple(VARIANTS)
+
+    def max_qps(self, settings: TargetSettings) -> float | None:
+        return _embedded(settings).embedded_max_qps
+
+    def plan(self, settings: TargetSettings) -> TargetInfo:
+        return planned_info(_embedded(settings).stack_config())
+
+    def open(self, settings: TargetSettings, owner: Owner) -> Target:
+        config = _embedded(settings).stack_config()
+        return EmbeddedTarget(start_stack(config, owner=owner, progress=True))
+
+    def reattach(self, settings: TargetSettings, record: dict[str, Any]) -> Target:
+        return EmbeddedTarget(Topology.load(Path(record["stack_state_dir"])))
+
+    def finish_dead_run(
+        self, settings: TargetSettings, record: dict[str, Any], ledger: FaultLedger
+    ) -> list[str]:
+        """Every fault of the embedded stack lives in its processes and namespaces, which the
+        stack cleanup that follows removes."""
+        for fault in ledger.open_faults():
+            ledger.mark_undone(fault.id, by="cleanup (removed with the embedded stack)")
+        return []
+
+    def remove_run_target(self, settings: TargetSettings, record: dict[str, Any]) -> list[str]:
+        state_dir = Path(record["stack_state_dir"]) if record.get("stack_state_dir") else None
+        if state_dir is None:
+            return []
+        return cleanup(state_dir.parent, [state_dir.name]).lines()
+
+    def cleanup(self, request: CleanupRequest) -> list[str]:
+        report = cleanup(
+            request.state_root or Path(EmbeddedSettings().stacks_root),
+            request.names,
+            everything=request.everything,
+            dry_run=request.dry_run,
+        )
+        return report.lines(dry_run=request.dry_run)
+
+
+def _embedded(settings: TargetSettings) -> EmbeddedSettings:
+    assert isinstance(settings, EmbeddedSettings), settings
+    return settings
+
+
+KIND = EmbeddedKind()
