@@ -31,6 +31,7 @@ import psutil
 from _common import free_port
 
 from llmchaos.load import LoadConfig, LoadRun
+from llmchaos.load.traffic import TrafficSpec
 
 ANSWER = json.dumps(
     {
@@ -126,9 +127,9 @@ def run_open_loop(url: str, args: argparse.Namespace, tmp: Path) -> dict:
         duration_s=args.duration_s,
         workers=args.workers,
         profile=args.profile,
-        stream_share=0.0,
         run_dir=str(tmp / "open"),
         drain_s=3.0,
+        traffic=TrafficSpec(stream_share=0.0),
     )
     run = LoadRun.start(config)
     meter = CpuMeter(run.process.pid)

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from llmchaos.load import LoadConfig, LoadRun
+from llmchaos.load.traffic import TrafficSpec
 from llmchaos.stack.config import StackConfig
 from llmchaos.stack.stack import start_stack, stop_stack
 from llmchaos.stack.topology import Topology, read_agent_state
@@ -81,8 +82,8 @@ def run_step(topology: Topology, qps: float, step_s: float, traffic: str, worker
             duration_s=step_s,
             workers=workers,
             tokens_file=topology.tokens_file,
-            model=topology.model,
             drain_s=3.0,
+            traffic=TrafficSpec(model=topology.model),
         ),
         **TRAFFIC[traffic],
     )

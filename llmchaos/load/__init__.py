@@ -7,5 +7,6 @@ api.py), so importing this package from an asyncio program monkey-patches nothin
 from llmchaos.load.api import LoadError, LoadRun
 from llmchaos.load.config import LoadConfig
 from llmchaos.load.summary import Summary
+from llmchaos.load.traffic import TrafficSpec
 
-__all__ = ["LoadConfig", "LoadError", "LoadRun", "Summary"]
+__all__ = ["LoadConfig", "LoadError", "LoadRun", "Summary", "TrafficSpec"]

@@ -13,6 +13,7 @@ import pytest
 
 from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.timeline import FAILURE_CLASSES
+from llmchaos.load.traffic import TrafficSpec
 
 from .conftest import REPO
 
@@ -104,7 +105,7 @@ def test_accounting_closes_when_the_target_dies_mid_run(fake_server, tmp_path):
         workers=2,
         run_dir=str(tmp_path / "run"),
         drain_s=3.0,
-        stream_share=0.5,
+        traffic=TrafficSpec(stream_share=0.5),
     )
     with LoadRun.start(config) as run:
         start = run.wait_started()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmchaos.load import LoadConfig, LoadRun
+from llmchaos.load.traffic import TrafficSpec
 from tests.haproxy_front import haproxy_in_front
 
 pytestmark = pytest.mark.slow
@@ -30,11 +31,10 @@ def run_load(url: str, run_dir: Path) -> dict[str, dict[str, float | None]]:
         qps=20,
         duration_s=4,
         profile="constant",
-        stream_share=0.5,  # plain answers check e2e too
-        context_tokens=0,
-        prompt_tokens="4",
-        output_tokens=str(TOKENS),
         run_dir=str(run_dir),
+        traffic=TrafficSpec(
+            stream_share=0.5, context_tokens=0, prompt_tokens="4", output_tokens=str(TOKENS)
+        ),  # plain answers check e2e too
     )
     with LoadRun.start(config) as run:
         summary = run.wait()

@@ -16,6 +16,7 @@ import pytest
 
 from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.timeline import FAILURE_CLASSES
+from llmchaos.load.traffic import TrafficSpec
 from llmchaos.stack.topology import Topology
 
 pytestmark = pytest.mark.slow
@@ -31,14 +32,13 @@ def stack_load(topology: Topology, run_dir: Path) -> LoadConfig:
         duration_s=DURATION_S,
         profile="constant",
         tokens_file=topology.tokens_file,
-        model=topology.model,
-        stream_share=0.3,
-        output_median_tokens=8,  # short answers: the simulated GPU is not what is measured
-        output_max_tokens=32,
         # Bounded: a request the dead stack holds gives up after 3 s, and the drain waits it out.
         timeout_s=3.0,
         drain_s=4.0,
         run_dir=str(run_dir),
+        traffic=TrafficSpec(
+            model=topology.model, stream_share=0.3, output_median_tokens=8, output_max_tokens=32
+        ),  # short answers: the simulated GPU is not what is measured
     )
 
 

@@ -160,10 +160,9 @@ def test_a_run_sends_the_bad_tokens_asked_for(fake_server, tmp_path: Path):
         duration_s=2.0,
         profile="constant",
         tokens_file=str(tokens),
-        bad_token_share=0.5,
-        bad_tokens="revoked",
         run_dir=str(tmp_path / "run"),
         drain_s=1.0,
+        traffic=TrafficSpec(bad_token_share=0.5, bad_tokens="revoked"),
     )
     with LoadRun.start(config) as run:
         summary = run.wait()

@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from llmchaos.load import LoadConfig, LoadRun
+from llmchaos.load.traffic import TrafficSpec
 from llmchaos.prometheus import (
     Prometheus,
     PrometheusNoData,
@@ -208,14 +209,16 @@ def setup(
                 duration_s=LOAD_DURATION_S,
                 profile="constant",
                 tokens_file=stack.tokens_file,
-                model=stack.model,
-                stream_share=0.3,
                 # ~1 s answers (32 tokens median, capped at 96): P99 near the 1.0-1.5 s bucket
-                output_median_tokens=32,
-                output_max_tokens=96,
                 drain_s=4.0,
                 run_dir=str(folder / "load"),
                 owner_pid=os.getpid(),
+                traffic=TrafficSpec(
+                    model=stack.model,
+                    stream_share=0.3,
+                    output_median_tokens=32,
+                    output_max_tokens=96,
+                ),
             )
         )
         cleanup.callback(load.close)

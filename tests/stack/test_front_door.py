@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmchaos.load import LoadConfig, LoadRun
+from llmchaos.load.traffic import TrafficSpec
 from llmchaos.stack.services import HAPROXY_HTTP_REQUEST_TIMEOUT_S
 from llmchaos.stack.topology import Topology
 from tests.haproxy_front import haproxy_in_front
@@ -138,12 +139,11 @@ def test_streams_are_not_held_back_by_the_front_door_or_the_gateway(
                 duration_s=5,
                 profile="constant",
                 tokens_file=stack.tokens_file,
-                stream_share=1.0,
-                context_tokens=0,
-                prompt_tokens="16",
-                output_tokens="8",
                 seed=i,
                 run_dir=str(tmp_path / hop),
+                traffic=TrafficSpec(
+                    stream_share=1.0, context_tokens=0, prompt_tokens="16", output_tokens="8"
+                ),
             )
         )
         for i, (hop, url) in enumerate(urls.items())
