@@ -259,6 +259,58 @@ def _negative_control_problems(experiment: dict[str, Any], settings: RunSettings
     ]
 
 
+SLO_OF_PROBE = {
+    "recovery_time_s": "sla_s",
+    "p99_latency_ms": "p99_slo_ms",
+    "error_rate": "error_rate_slo",
+    "queue_depth": "queue_depth_slo",
+}
+"""Probes whose tolerance is an SLO of the run's settings: the report judges and prints the
+setting, so a tolerance with another limit would pass or fail a run the report calls the
+opposite (one SLO, one source). A probe narrowed by `since_fault` or `classes` measures
+something else, with a limit of its own."""
+_NARROWING = ("since_fault", "classes")
+
+
+def _tolerance_limit(tolerance: Any) -> Any:
+    """The upper limit a tolerance sets: [lo, hi], {"type": "range", "range": [lo, hi]}, or a
+    probe tolerance's `limit` argument; None for other forms."""
+    if isinstance(tolerance, list) and len(tolerance) == 2:
+        return tolerance[1]
+    if isinstance(tolerance, dict):
+        if tolerance.get("type") == "range" and isinstance(tolerance.get("range"), list):
+            return tolerance["range"][-1]
+        if tolerance.get("type") == "probe":
+            return ((tolerance.get("provider") or {}).get("arguments") or {}).get("limit")
+    return None
+
+
+def _limits_that_disagree(
+    experiment: dict[str, Any], configuration: dict[str, Any], settings: RunSettings
+) -> list[str]:
+    problems = []
+    hypothesis = experiment.get("steady-state-hypothesis") or {}
+    for i, probe in enumerate(hypothesis.get("probes") or []):
+        provider = probe.get("provider") or {}
+        setting = SLO_OF_PROBE.get(str(provider.get("func", "")))
+        narrowed = any(key in (provider.get("arguments") or {}) for key in _NARROWING)
+        if setting is None or narrowed or str(provider.get("module", "")).split(".")[0] != "probes":
+            continue
+        limit = substitute(_tolerance_limit(probe.get("tolerance")), configuration, None)
+        try:
+            number = as_number("", limit)
+        except InvalidInput:
+            continue  # absent, or not resolved here: the tolerance's own check says so
+        expected = float(getattr(settings, setting))
+        if not math.isclose(number, expected, rel_tol=1e-9):
+            problems.append(
+                f"steady-state-hypothesis.probes[{i}] {probe.get('name')!r}.tolerance: limit "
+                f"{number:g} disagrees with {setting} = {expected:g}, which the report judges "
+                f'and prints; write "${{{setting}}}" as the limit, or set {setting}: {number:g}'
+            )
+    return problems
+
+
 def check_experiment(
     experiment: dict[str, Any],
     configuration: dict[str, Any],
@@ -276,6 +328,7 @@ def check_experiment(
                 "at_most)"
             )
     problems += _negative_control_problems(experiment, settings)
+    problems += _limits_that_disagree(experiment, configuration, settings)
     checks = _argument_checks(info, settings)
     ours = False
     for place, activity in _activities(experiment):

@@ -75,6 +75,11 @@ def _typo_setting(e: dict[str, Any]) -> None:
     e["configuration"]["sla"] = 45
 
 
+def _sla_literal(e: dict[str, Any]) -> None:
+    tolerance = e["steady-state-hypothesis"]["probes"][0]["tolerance"]
+    tolerance["provider"]["arguments"]["limit"] = 30
+
+
 def _huge_qps(e: dict[str, Any]) -> None:
     e["configuration"]["qps"] = 1e9
 
@@ -105,6 +110,11 @@ CASES: list[tuple[str, Mutation, str]] = [
     ("unknown worker", _set_worker, "unknown GPU worker 'gpu-9'; GPU workers: gpu-0, gpu-1"),
     ("unknown node", _set_node, "unknown node 'node-z'; nodes: node-a, node-b, node-c"),
     ("qps <= 0", _set_qps, "configuration.qps: expected a number > 0 and <= 1,000,000, got 0"),
+    (
+        "SLA twice",
+        _sla_literal,
+        "'recovered-within-sla'.tolerance: limit 30 disagrees with sla_s = 10",
+    ),
     ("qps too high", _huge_qps, "configuration.qps: expected a number > 0 and <= 1,000,000"),
     ("unknown key", _unknown_key, "configuration.duration: not a setting; did you mean"),
     ("endless burst", _endless_burst, "arguments.duration_s: expected a number > 0 and <= 900"),
