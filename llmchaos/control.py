@@ -263,8 +263,10 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
     run.enter_phase("stopping-load")
     ok_load, summary = _step("stopping the load", run.stop_load)
 
+    _, recovery = _step("reading the target's recovery", run.target_recovery)
+
     def report() -> None:
-        result = write_run_report(run.facts(summary, frame_drops), journal)
+        result = write_run_report(run.facts(summary, frame_drops, recovery), journal)
         print(f"\nllmchaos summary\n{result.table()}\n", flush=True)
 
     run.enter_phase("report")

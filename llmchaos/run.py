@@ -183,7 +183,12 @@ class ChaosRun:
         during the finish still leaves the verdict's inputs on disk."""
         write_json_atomic(self.run_dir / JOURNAL_FILE, redact(journal))
 
-    def facts(self, load_summary: Summary | None, frame_drops: int | None) -> RunFacts:
+    def facts(
+        self,
+        load_summary: Summary | None,
+        frame_drops: int | None,
+        target_recovery: dict[str, Any] | None = None,
+    ) -> RunFacts:
         """What the report needs, from this live run."""
         return RunFacts(
             name=self.name,
@@ -200,7 +205,16 @@ class ChaosRun:
             interrupted_because=self.interrupted_because,
             notes=self.notes,
             started_at=self.started_at,
+            target_recovery=target_recovery,
         )
+
+    def target_recovery(self) -> dict[str, Any] | None:
+        """The target's recovery facts since the first fault (None: no fault, or it cannot
+        tell)."""
+        first_fault = min((f.at for f in self.faults()), default=None)
+        if self.backend is None or first_fault is None:
+            return None
+        return self.backend.recovery_facts(first_fault)
 
     # -- starting ------------------------------------------------------------------------
     def start_target(self) -> Target:

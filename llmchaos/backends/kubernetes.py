@@ -1131,6 +1131,24 @@ class KubernetesBackend(Target):
             recovered.append(entry)
         return {"recovered": recovered, "unrecovered": unrecovered}
 
+    def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
+        """pod_recovery_times of the GPU inference and gateway pods, in the Target's terms."""
+        facts: dict[str, Any] = {"recovered": [], "unrecovered": []}
+        for selector in (self.settings.gpu_selector, self.settings.gateway_selector):
+            times = self.pod_recovery_times(selector, since_ts)
+            for state in ("recovered", "unrecovered"):
+                facts[state] += [
+                    {
+                        "name": pod["pod_name"],
+                        "node": pod["node"],
+                        "rescheduling_time_s": pod["pod_rescheduling_time"],
+                        "readiness_time_s": pod.get("pod_readiness_time"),
+                        "total_recovery_time_s": pod.get("total_recovery_time"),
+                    }
+                    for pod in times[state]
+                ]
+        return facts
+
     def available_replicas(self, deployment: str) -> int:
         """status.availableReplicas of a Deployment of the namespace (0 when unset)."""
         found = self._deployment(deployment, "deployment")

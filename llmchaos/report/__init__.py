@@ -59,6 +59,8 @@ class RunFacts:
     rebuilt: str | None = None
     """Set when the report is written again after the run was killed ("rebuilt after the run
     was killed at <phase>")."""
+    target_recovery: dict[str, Any] | None = None
+    """How the target's parts came back after the first fault (Target.recovery_facts)."""
 
 
 def _write_csv(
@@ -181,6 +183,7 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
         guard=facts.guard,
         notes=list(facts.notes),
         rebuilt=facts.rebuilt,
+        target_recovery=facts.target_recovery,
     )
     run_dir = facts.run_dir
     if journal is not None:

@@ -109,6 +109,29 @@ def _cell(value: Any) -> str:
     )
 
 
+def _recovery_table(facts: dict[str, Any] | None) -> str:
+    """The target's parts that died after the fault and how they came back (Krkn's terms)."""
+    if not facts or not (facts.get("recovered") or facts.get("unrecovered")):
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(str(part['name']))}</td><td>{html.escape(str(part['node']))}</td>"
+        f"<td>{state}</td>"
+        + "".join(
+            f"<td>{'-' if part.get(key) is None else f'{part[key]:.1f} s'}</td>"
+            for key in ("rescheduling_time_s", "readiness_time_s", "total_recovery_time_s")
+        )
+        + "</tr>"
+        for state in ("recovered", "unrecovered")
+        for part in facts.get(state, [])
+    )
+    return (
+        "<h2>Target recovery</h2><p class=muted>The target's own account (Krkn's pod recovery "
+        "times): rescheduling = death until restarted, readiness = restarted until ready.</p>"
+        "<table><tr><th>part</th><th>node</th><th>state</th><th>rescheduling</th>"
+        f"<th>readiness</th><th>total</th></tr>{rows}</table>"
+    )
+
+
 def render_html(
     result: RunResult,
     journal: dict[str, Any] | None,
@@ -159,6 +182,7 @@ def render_html(
 {_load_table(r.load)}
 <h2>Faults</h2>
 <table><tr><th>at</th><th>fault</th><th>target</th><th>state</th></tr>{faults}</table>
+{_recovery_table(r.target_recovery)}
 <h2>Steady-state probes</h2>
 {_probe_rows(journal, settings)}
 {f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}

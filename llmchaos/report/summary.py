@@ -73,6 +73,10 @@ class RunResult:
     rebuilt: str | None = None
     """"rebuilt after the run was killed at <phase>" when `llmchaos cleanup` wrote this
     report from the run folder, after the run itself could not."""
+    target_recovery: dict[str, Any] | None = None
+    """The target's own account of the recovery, in Krkn's terms: {"recovered": [{"name",
+    "node", "rescheduling_time_s", "readiness_time_s", "total_recovery_time_s"}],
+    "unrecovered": [...]} for each part that died after the first fault."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

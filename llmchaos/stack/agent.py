@@ -25,13 +25,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
 
-from llmchaos.stack.procs import set_parent_death_signal, stop_pids
+from llmchaos.stack.procs import http_get_status, set_parent_death_signal, stop_pids
 from llmchaos.stack.settings import load_settings
 from llmchaos.stack.topology import WorkerState
 
 __all__ = ["AgentSettings", "AgentWorker", "main"]
 
 log = logging.getLogger("llmchaos.agent")
+
+_READY_PROBE_TIMEOUT_S = 0.2
+"""One readiness check of a loading worker; the agent's loop is 50 ms."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class AgentWorker:
     name: str
     settings_path: str
     log_path: str
+    health_url: str = ""
+    """The worker's /healthz: the agent notes when a started worker is first ready (its
+    readiness time, as a kubelet's readiness probe would), "" to skip."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +108,21 @@ class _Agent:
         tmp.replace(path)
 
     def step(self) -> bool:
-        """Reap dead workers and restart due ones; True when the state changed."""
+        """Reap dead workers, restart due ones, note when started ones are ready; True when
+        the state changed."""
         changed = False
         now = time.monotonic()
         for worker in self.settings.workers:
+            state = self.states.get(worker.name)
+            if (
+                worker.health_url
+                and worker.name in self.procs
+                and state is not None
+                and state.ready_at is None
+                and http_get_status(worker.health_url, _READY_PROBE_TIMEOUT_S) == 200
+            ):
+                self.states[worker.name] = replace(state, ready_at=time.time())
+                changed = True
             proc = self.procs.get(worker.name)
             if proc is not None and proc.poll() is not None:
                 del self.procs[worker.name]

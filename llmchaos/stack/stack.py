@@ -311,7 +311,10 @@ def _start_nodes(
             node=node,
             state_path=str(state_dir / f"agent-{node}.state.json"),
             restart_delay_s=config.restart_delay_s,
-            workers=tuple(AgentWorker(w.name, w.settings_path, w.log_path) for w in infos),
+            workers=tuple(
+                AgentWorker(w.name, w.settings_path, w.log_path, f"{w.url}/healthz")
+                for w in infos
+            ),
         )
         agent_path = write_settings(agent_settings, state_dir / f"agent-{node}.json")
         argv = [sys.executable, "-m", "llmchaos.stack.agent", "--settings", str(agent_path)]

@@ -200,6 +200,8 @@ class WorkerState:
     running: bool = True
     last_exit_code: int | None = None
     last_exit_at: float | None = None
+    ready_at: float | None = None
+    """When the worker (this pid) first answered ready; None while its model loads."""
 
 
 @dataclass(frozen=True)

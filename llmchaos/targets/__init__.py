@@ -248,8 +248,10 @@ class Target(ABC):
         """Workers answering ready, of `mode` (gpu, cpu; "" = any)."""
 
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
-        """How the target's parts came back after `since_ts` (Krkn-style restart and
-        readiness times), None when the target cannot tell."""
+        """How the target's parts came back after `since_ts`, in Krkn's terms (its pod
+        recovery times): {"recovered": [...], "unrecovered": [...]}, each entry with `name`,
+        `node`, `rescheduling_time_s` (death until restarted), `readiness_time_s` (restarted
+        until ready) and `total_recovery_time_s`. None when the target cannot tell."""
         return None
 
     def undo(self, op: str, args: dict[str, Any]) -> None:
@@ -319,7 +321,8 @@ class TargetKind(ABC):
         known = self.variants(settings)
         if settings.variant not in known:
             raise InvalidInput(
-                f"variant: unknown variant {settings.variant!r}; expected one of: {', '.join(known)}"
+                f"variant: unknown variant {settings.variant!r}; expected one of: "
+                f"{', '.join(known)}"
             )
 
     def max_qps(self, settings: TargetSettings) -> float | None:

@@ -27,7 +27,7 @@ from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import http_get_status
 from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
-from llmchaos.stack.topology import Topology, read_secrets
+from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
 from llmchaos.targets import Target, TargetInfo, WorkerRef
 
 __all__ = ["EmbeddedTarget", "planned_info"]
@@ -179,6 +179,33 @@ class EmbeddedTarget(Target):
             for worker in node.workers:
                 total += _metric(worker.url + "/metrics", "vllm:num_requests_waiting")
         return total
+
+    def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
+        """Each worker that died after `since_ts`, from its node agent (the kubelet here):
+        rescheduling is the agent's restart delay, readiness the model load."""
+        recovered, unrecovered = [], []
+        for node in self.topology.nodes:
+            state = read_agent_state(Path(node.agent_state_path))
+            for name, worker in (state.workers if state else {}).items():
+                died = worker.last_exit_at
+                if died is None or died < since_ts:
+                    continue
+                fact: dict[str, Any] = {
+                    "name": name,
+                    "node": node.name,
+                    "died_at": died,
+                    "restarts": worker.restarts,
+                    "rescheduling_time_s": round(worker.started_at - died, 3)
+                    if worker.running
+                    else None,
+                }
+                if worker.running and worker.ready_at is not None:
+                    fact["readiness_time_s"] = round(worker.ready_at - worker.started_at, 3)
+                    fact["total_recovery_time_s"] = round(worker.ready_at - died, 3)
+                    recovered.append(fact)
+                else:
+                    unrecovered.append(fact)
+        return {"recovered": recovered, "unrecovered": unrecovered}
 
     def healthy_workers(self, mode: str = "") -> int:
         return sum(
