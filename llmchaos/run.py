@@ -25,10 +25,10 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.files import read_json_object, write_json_atomic
@@ -132,6 +132,10 @@ class ChaosRun:
     """Where the run is (starting-target, warming-up, method, report, ...): in run.json, so a
     report rebuilt after a kill can say where the run died."""
     started_at: float = field(default_factory=time.time)
+
+    load_factory: ClassVar[Callable[[LoadConfig], LoadRun]] = LoadRun.start
+    """How the load starts: a Locust process of its own (the run layer's tests give it a
+    scripted load instead)."""
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
@@ -261,7 +265,7 @@ class ChaosRun:
             s.load_profile,
             redact_text(config.url),
         )
-        self.load = LoadRun.start(config)
+        self.load = self.load_factory(config)
         self.current_qps = config.qps
         self.write_state("running")
         self.load_start_ts = self.load.wait_started()
