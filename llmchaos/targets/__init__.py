@@ -54,6 +54,7 @@ DEFAULT_VARIANT = "hardened"
 KINDS: dict[str, str] = {
     "embedded": "llmchaos.targets.embedded:KIND",
     "k8s": "llmchaos.targets.kubernetes:KIND",
+    "hosts": "llmchaos.targets.hosts:KIND",
 }
 """Target name -> "module:attribute" of its TargetKind."""
 
