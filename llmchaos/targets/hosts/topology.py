@@ -176,9 +176,11 @@ class HostsTopology:
         raise InvalidInput(f"{self.path}: no server or gateway named {name!r}")
 
     def server(self, name: str) -> Server:
-        part = self.part(name)
-        assert isinstance(part, Server), part
-        return part
+        for server in self.servers:
+            if server.name == name:
+                return server
+        known = ", ".join(s.name for s in self.servers)
+        raise InvalidInput(f"{self.path}: no server named {name!r}; servers: {known}")
 
     def gateway(self, name: str) -> Gateway:
         part = self.part(name)
