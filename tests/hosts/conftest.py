@@ -18,6 +18,8 @@ from llmchaos.stack.procs import free_port
 LITELLM = REPO / ".venv-litellm" / "bin" / "litellm"
 LITELLM_EXAMPLE = REPO / "experiments" / "targets" / "litellm.yaml"
 NGINX_EXAMPLE = REPO / "experiments" / "targets" / "nginx.yaml"
+NGINX_FLAGS = "-g 'daemon off; pid nginx.pid;'"
+"""nginx in the foreground (llmchaos supervises it), its pid file under its prefix."""
 GPU_LOAD_S = 1.5
 """Model load of a restarted worker in these tests: long enough to see, short to wait for."""
 
@@ -79,7 +81,8 @@ def write_hosts_file(folder: Path, *, nginx: bool, extra: str = "") -> Path:
         for name, node in (("gpu-0", "node-a"), ("gpu-1", "node-b"))
     )
     front = ports["gateway-primary"] if nginx else ports["gpu-1"]
-    text = f"front_door:\n  url: http://127.0.0.1:{front}\nservers:\n{textwrap.indent(servers, '  ')}"
+    text = f"front_door: {{url: 'http://127.0.0.1:{front}'}}\nservers:\n"
+    text += textwrap.indent(servers, "  ")
     if nginx:
         conf = folder / "nginx.conf"
         conf.write_text(
@@ -110,7 +113,7 @@ def write_hosts_file(folder: Path, *, nginx: bool, extra: str = "") -> Path:
               gateway-primary:
                 url: http://127.0.0.1:{ports["gateway-primary"]}
                 health: /nginx-health
-                command: "nginx -p {{state}}/ -c {conf} -e {{state}}/error.log -g 'daemon off; pid nginx.pid;'"
+                command: "nginx -p {{state}}/ -c {conf} -e {{state}}/error.log {NGINX_FLAGS}"
             """
         )
     path = folder / "hosts.yaml"

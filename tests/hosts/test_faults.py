@@ -20,8 +20,8 @@ from conftest import REPO
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import FaultLedger, Undo
 from llmchaos.processes import Owner, pid_alive
-from llmchaos.targets.hosts import KIND, HostsSettings, HostsTarget
-from llmchaos.targets.hosts import firewall
+from llmchaos.stack.procs import free_port
+from llmchaos.targets.hosts import KIND, HostsSettings, HostsTarget, firewall
 from llmchaos.targets.hosts.procs import group_members, listeners
 from llmchaos.targets.hosts.state import STATE_FILE, TargetState, cleanup_dead
 from tests.hosts.conftest import GPU_LOAD_S, write_hosts_file
@@ -154,7 +154,8 @@ _OWNER = """
 import sys, time
 from llmchaos.processes import Owner
 from llmchaos.targets.hosts import KIND, HostsSettings
-target = KIND.open(HostsSettings(file=sys.argv[1], state_root=sys.argv[2]), Owner.this_process("run"))
+settings = HostsSettings(file=sys.argv[1], state_root=sys.argv[2])
+target = KIND.open(settings, Owner.this_process("run"))
 target.partition_node("node-a")
 print(target.state.state_dir, flush=True)
 time.sleep(300)
@@ -166,7 +167,9 @@ def test_cleanup_removes_what_a_killed_owner_left(tmp_path: Path, needs_root: No
     root = tmp_path / "hosts"
     owner = subprocess.Popen(
         [sys.executable, "-c", _OWNER, str(path), str(root)],
-        stdout=subprocess.PIPE, text=True, cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
     try:
         state_dir = Path(owner.stdout.readline().strip())  # type: ignore[union-attr]
@@ -201,13 +204,29 @@ def test_llmchaos_cleanup_finishes_a_chaos_run_killed_during_a_partition(
     }
     bin_dir = Path(sys.executable).parent
     chaos = subprocess.Popen(
-        [str(bin_dir / "chaos"), "--log-file", str(tmp_path / "chaos.log"), "run",
-         "--journal-path", str(tmp_path / "journal.json"), "experiments/node_partition.json"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(bin_dir / "chaos"),
+            "--log-file",
+            str(tmp_path / "chaos.log"),
+            "run",
+            "--journal-path",
+            str(tmp_path / "journal.json"),
+            "experiments/node_partition.json",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
-        assert _wait(lambda: any(r.node == "node-a" for r in firewall.tagged_rules()
-                                 if r.owner and r.owner.pid == chaos.pid), 90), "no partition"
+        assert _wait(
+            lambda: any(
+                r.node == "node-a"
+                for r in firewall.tagged_rules()
+                if r.owner and r.owner.pid == chaos.pid
+            ),
+            90,
+        ), "no partition"
         chaos.send_signal(signal.SIGKILL)
         chaos.wait(timeout=10)
     finally:
@@ -217,10 +236,45 @@ def test_llmchaos_cleanup_finishes_a_chaos_run_killed_during_a_partition(
     state_dir = Path(json.loads(run_dir.read_text())["target_record"]["hosts_state_dir"])
     assert _live_processes(state_dir) and _rules_of(TargetState.load(state_dir).target_id)  # type: ignore[union-attr]
     result = subprocess.run(
-        [str(bin_dir / "llmchaos"), "cleanup", "--run", run_dir.parent.name, "--runs-root", str(runs)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        [
+            str(bin_dir / "llmchaos"),
+            "cleanup",
+            "--run",
+            run_dir.parent.name,
+            "--runs-root",
+            str(runs),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "partition_node(node-a): undone by cleanup" in result.stdout, result.stdout
     assert_nothing_left(state_dir)
     assert json.loads(run_dir.read_text())["status"] == "abandoned"
+
+
+def test_token_cache_keys_expire(tmp_path: Path) -> None:
+    import redis
+
+    port = free_port()
+    extra = (
+        f"redis:\n  url: redis://127.0.0.1:{port}/0\n  key_pattern: 'token:*'\n"
+        f"  command: \"redis-server --port {port} --bind 127.0.0.1 --save '' --dir {{state}}\"\n"
+    )
+    path = write_hosts_file(tmp_path / "file", nginx=False, extra=extra)
+    settings = HostsSettings(file=str(path), state_root=str(tmp_path / "hosts"))
+    target = KIND.open(settings, Owner.this_process("run", str(tmp_path)))
+    client = redis.Redis(port=port)
+    try:
+        client.mset({f"token:{i}": "tenant" for i in range(5)} | {"other": "x"})
+        assert target.expire_token_cache(30) == 5
+        assert 0 < client.pttl("token:0") <= 30_000 and client.ttl("other") == -1
+        assert target.expire_token_cache(0) == 5
+        assert client.keys("token:*") == [] and client.get("other") == b"x"
+    finally:
+        client.close()
+        target.close()
+    assert_nothing_left(target.state.state_dir)  # type: ignore[attr-defined]

@@ -72,24 +72,41 @@ def test_a_variant_overrides_and_null_removes() -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        (GOOD.replace("engine: vllm", "engine: vlm"),
-         ("servers.gpu-0.engine", "'vlm'", "vllm, sglang, tgi, llamacpp, openai")),
-        (GOOD.replace("    command:", "    comand:"),
-         ("servers.gpu-0", "expected exactly one of pid", "did you mean 'command'")),
+        (
+            GOOD.replace("engine: vllm", "engine: vlm"),
+            ("servers.gpu-0.engine", "'vlm'", "vllm, sglang, tgi, llamacpp, openai"),
+        ),
+        (
+            GOOD.replace("    command:", "    comand:"),
+            ("servers.gpu-0", "expected exactly one of pid", "did you mean 'command'"),
+        ),
         (GOOD.replace("mode: gpu", "mode: tpu"), ("servers.gpu-0.mode", "'tpu'", "gpu or cpu")),
-        (GOOD.replace("http://127.0.0.1:18999\n    command", "localhost\n    command"),
-         ("servers.gpu-0.url", "'localhost'", "http://127.0.0.1:8000")),
-        (GOOD.replace("front_door: {", "front_door: {token: sk-123, "),
-         ("front_door.token", "generate or {env: VARIABLE}", "never written in the file")),
-        (GOOD.replace("--settings x.json", "--key {token}"),
-         ("servers.gpu-0.command", "{token}", "visible to every user")),
+        (
+            GOOD.replace("http://127.0.0.1:18999\n    command", "localhost\n    command"),
+            ("servers.gpu-0.url", "'localhost'", "http://127.0.0.1:8000"),
+        ),
+        (
+            GOOD.replace("front_door: {", "front_door: {token: sk-123, "),
+            ("front_door.token", "generate or {env: VARIABLE}", "never written in the file"),
+        ),
+        (
+            GOOD.replace("--settings x.json", "--key {token}"),
+            ("servers.gpu-0.command", "{token}", "visible to every user"),
+        ),
         (GOOD.replace("max_qps: 5\n", ""), ("max_qps", "required")),
         (GOOD.replace("max_qps: 5", "max_qps: 0"), ("max_qps", "> 0", "got 0")),
         (GOOD + "varients: {}\n", ("varients", "did you mean 'variants'")),
     ],
     ids=[
-        "unknown-engine", "no-pid-nor-command", "bad-mode", "bad-url", "token-in-file",
-        "token-on-command-line", "no-max-qps", "zero-max-qps", "unknown-section",
+        "unknown-engine",
+        "no-pid-nor-command",
+        "bad-mode",
+        "bad-url",
+        "token-in-file",
+        "token-on-command-line",
+        "no-max-qps",
+        "zero-max-qps",
+        "unknown-section",
     ],
 )
 def test_each_problem_is_one_line(tmp_path: Path, text: str, expected: tuple[str, ...]) -> None:
@@ -166,7 +183,7 @@ def test_dead_pid_missing_pid_file_port_in_use_missing_executable(tmp_path: Path
             f"  gpu-1: {{node: b, url: 'http://127.0.0.1:2', pid_file: {tmp_path}/vllm.pid}}\n"
             f"  cpu-0: {{mode: cpu, node: c, url: 'http://127.0.0.1:{busy}', command: 'sleep 9'}}\n"
             "gateways:\n"
-            "  litellm: {url: 'http://127.0.0.1:3', command: '/nowhere/bin/litellm --port {port}'}\n"
+            "  litellm: {url: 'http://127.0.0.1:3', command: '/nowhere/bin/litellm'}\n"
         )
         path = _file(tmp_path, text)
         problems = _plan_problems(path)
@@ -182,7 +199,8 @@ def test_dead_pid_missing_pid_file_port_in_use_missing_executable(tmp_path: Path
 def test_a_live_pid_passes_and_a_missing_token_variable_does_not(tmp_path: Path) -> None:
     text = (
         "front_door: {url: 'http://127.0.0.1:1', token: {env: LLMCHAOS_TEST_NO_SUCH_TOKEN}}\n"
-        f"max_qps: 5\nservers:\n  gpu-0: {{node: a, url: 'http://127.0.0.1:1', pid: {os.getpid()}}}\n"
+        "max_qps: 5\nservers:\n"
+        f"  gpu-0: {{node: a, url: 'http://127.0.0.1:1', pid: {os.getpid()}}}\n"
     )
     problems = _plan_problems(_file(tmp_path, text))
     assert len(problems) == 1 and "LLMCHAOS_TEST_NO_SUCH_TOKEN is not set" in problems[0]
@@ -194,7 +212,11 @@ def test_llmchaos_validate_reports_the_hosts_file(tmp_path: Path) -> None:
     env = {**os.environ, "LLMCHAOS_TARGET": "hosts", "LLMCHAOS_HOSTS_FILE": str(path)}
     result = subprocess.run(
         [str(Path(sys.executable).with_name("llmchaos")), "validate", "experiments/gpu_kill.json"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"{path}: servers.gpu-0.engine: unknown engine kind 'triton'" in result.stdout

@@ -29,6 +29,7 @@ from llmchaos.stack.procs import http_get_status
 from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
 from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
 from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.targets.cache import expire_keys
 
 __all__ = ["EmbeddedTarget", "planned_info"]
 
@@ -147,28 +148,9 @@ class EmbeddedTarget(Target):
         raise InvalidInput(f"gateway: unknown gateway {name!r}; gateways: {known}")
 
     def expire_token_cache(self, ttl_s: float) -> int:
-        import redis
-
         password = read_secrets(self._state_dir).redis_password
-        client = redis.Redis.from_url(
-            self.topology.redis_url, password=password, socket_timeout=5.0
-        )
-        try:
-            keys = list(client.scan_iter("token:*", count=1000))
-            if not keys:
-                return 0
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                if ttl_s > 0:
-                    pipe.pexpire(key, max(1, int(ttl_s * 1000)))
-                else:
-                    pipe.delete(key)
-            pipe.execute()
-        except redis.RedisError as exc:
-            raise StackError(f"token cache {self.topology.redis_url}: {exc}") from None
-        finally:
-            client.close()
-        return len(keys)
+        url = self.topology.redis_url
+        return expire_keys(url, password, "token:*", ttl_s, url)
 
     # -- readings ------------------------------------------------------------------------
     def queue_depth(self) -> float:

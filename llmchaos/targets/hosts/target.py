@@ -21,17 +21,18 @@ import shutil
 import socket
 import subprocess
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.processes import Owner, pid_alive
 from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.targets.cache import expire_keys
 from llmchaos.targets.hosts import firewall
 from llmchaos.targets.hosts.engines import EngineReading, read_engine
 from llmchaos.targets.hosts.procs import (
     descendants,
+    group_members,
     kill_all,
     listeners,
     read_pid_file,
@@ -142,22 +143,36 @@ class HostsTarget(Target):
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
         part = self.topology.gateway(gateway)
         main = self._pid(part)
-        pids = descendants({*listeners(part.port), *([main] if main else [])})
-        if not pids:
+        if main is None and not listeners(part.port):
             raise StackError(f"{gateway} is not running: nothing listens on port {part.port}")
         if self.supervisor is not None:
             self.supervisor.hold(gateway)
         at = time.time()
-        kill_all(pids)
-        left = wait_gone(pids, _KILL_WAIT_S)
-        if left or listeners(part.port):
-            raise StackError(
-                f"{gateway}: still serving port {part.port} after SIGKILL of {pids} "
-                f"(alive: {left or listeners(part.port)})"
-            )
+        killed = self._kill_serving(part, main)
         if self.supervisor is not None:
             self.supervisor.note_down(part, at)
-        return {"gateway": gateway, "pid": main or pids[0], "pids": pids}
+        return {"gateway": gateway, "pid": main or killed[0], "pids": killed}
+
+    def _kill_serving(self, part: Gateway, main: int | None) -> list[int]:
+        """SIGKILL whatever serves the gateway's port until nothing does: an nginx master
+        that sees its worker die before its own SIGKILL lands forks a new worker, which
+        keeps the port (measured), so one round is not enough."""
+        group = self.supervisor.pgid(part.name) if self.supervisor else None
+        killed: list[int] = []
+        deadline = time.monotonic() + _KILL_WAIT_S
+        while True:
+            roots = {*listeners(part.port), *([main] if main else [])}
+            roots |= set(group_members(group, None)) if group else set()
+            pids = [pid for pid in descendants(roots) if pid_alive(pid)]
+            if not pids and not listeners(part.port):
+                return sorted(set(killed))
+            if time.monotonic() >= deadline:
+                raise StackError(
+                    f"{part.name}: still serving port {part.port} {_KILL_WAIT_S:g} s after "
+                    f"SIGKILL of {sorted(set(killed))} (alive: {pids or listeners(part.port)})"
+                )
+            killed += kill_all(pids)
+            wait_gone(pids, 0.2)
 
     def restore_gateway(self, gateway: str) -> None:
         """Start `gateway` again unless it answers; wait until it does. Idempotent."""
@@ -231,8 +246,6 @@ class HostsTarget(Target):
                 firewall.delete_rule(rule)
 
     def expire_token_cache(self, ttl_s: float) -> int:
-        import redis
-
         spec = self.topology.redis
         if spec is None or not spec.key_pattern:
             raise InvalidInput(
@@ -240,22 +253,7 @@ class HostsTarget(Target):
                 "to expire (give redis.url and key_pattern, e.g. token:*)"
             )
         password = os.environ.get(spec.password_env) if spec.password_env else None
-        client = redis.Redis.from_url(spec.url, password=password, socket_timeout=5.0)
-        try:
-            keys = list(client.scan_iter(spec.key_pattern, count=1000))
-            if keys:
-                pipe = client.pipeline(transaction=False)
-                for key in keys:
-                    if ttl_s > 0:
-                        pipe.pexpire(key, max(1, int(ttl_s * 1000)))
-                    else:
-                        pipe.delete(key)
-                pipe.execute()
-        except redis.RedisError as exc:
-            raise StackError(f"token cache {_without_password(spec.url)}: {exc}") from None
-        finally:
-            client.close()
-        return len(keys)
+        return expire_keys(spec.url, password, spec.key_pattern, ttl_s, spec.url)
 
     # -- readings ------------------------------------------------------------------------
     def engine_readings(self) -> dict[str, EngineReading]:
@@ -322,8 +320,3 @@ def _wait(check: Any, timeout_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-def _without_password(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    return url.replace(f":{parts.password}@", ":***@") if parts.password else url
