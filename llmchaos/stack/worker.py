@@ -462,6 +462,8 @@ async def serve(settings: WorkerSettings) -> None:
         handle_signals=False,
         access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
+        # a client that goes away aborts its sequence, queued or running, as vLLM does
+        handler_cancellation=True,
     )
     await runner.setup()
     try:
