@@ -92,6 +92,7 @@ def write_hosts_file(folder: Path, *, nginx: bool, extra: str = "") -> Path:
                 events {{ worker_connections 256; }}
                 http {{
                   access_log off;
+                  client_body_buffer_size 1m;
                   proxy_temp_path tmp-proxy;
                   client_body_temp_path tmp-body;
                   upstream upstreams {{
