@@ -289,7 +289,9 @@ def test_cleanup_after_a_kill_9_leaves_a_live_run_untouched(
     finally:
         if live.poll() is None:
             live.kill()
-    live_stack = Path(json.loads((live_dir / "run.json").read_text())["stack_state_dir"]).name
+    live_stack = Path(
+        json.loads((live_dir / "run.json").read_text())["target_record"]["stack_state_dir"]
+    ).name
     assert f"finished run {doomed_dir.name}" in result.stdout
     assert f"left alone stack {live_stack}" in result.stdout, result.stdout
     assert "belongs to a live chaos run" in result.stdout
