@@ -1,7 +1,14 @@
-"""A Kubernetes API for the backend's tests: kmock's emulator in a thread of its own.
+"""Kubernetes APIs for the backend's tests.
 
-The official client is synchronous, kmock is an aiohttp server: the emulator runs its own event
-loop in a background thread and the client talks to it over HTTP, as to a real API server.
+The real one (`control_plane`, `deployed`): etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok (tests/k8s/controlplane.py) with deploy/ applied on fake GPU nodes.
+Its binaries come from scripts/build-k8s.sh (`make k8s-bin`); without them the tests that need
+it are skipped, except under CI, where they fail.
+
+kmock, an emulator, only where a real server cannot be made to misbehave on demand (injected
+500s and 409s, a server ignoring label selectors, the pod proxy to /metrics). The official
+client is synchronous, kmock is an aiohttp server: the emulator runs its own event loop in a
+background thread and the client talks to it over HTTP, as to a real API server.
 What kmock lacks is added here, by a hook in front of kmock that sees every request first:
 
 - exec (pods/exec over WebSocket, `v4.channel.k8s.io`): answered from `exec_answers`, per pod;
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import threading
 import warnings
@@ -31,6 +39,8 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from llmchaos.backends.kubernetes import KubernetesBackend, KubernetesSettings
+
+from .controlplane import NAMESPACE, ControlPlane, DeployedStack, bin_dir, missing_binaries
 
 NS = "llmchaos"
 OTHER_NS = "other-team"
@@ -340,6 +350,66 @@ def make_backend(cluster: k8s.ApiClient, kubeconfig: Path) -> Iterator[Callable[
             "exec_timeout_s": 5.0,
             "ready_timeout_s": 5.0,
             "poll_interval_s": 0.05,
+            **overrides,
+        }
+        backend = KubernetesBackend(KubernetesSettings(**values))
+        made.append(backend)
+        return backend
+
+    try:
+        yield make
+    finally:
+        for backend in made:
+            backend.close()
+
+
+# -- the real control plane ------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd, kube-apiserver, controllers, scheduler and kwok for the whole test session;
+    stopped at its end, pass or fail (and killed with the test run if it is killed)."""
+    missing = missing_binaries()
+    if missing:
+        reason = (
+            f"Kubernetes binaries missing in {bin_dir()}: {', '.join(missing)} "
+            "(build them with `make k8s-bin`)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must test against the real control plane: {reason}")
+        pytest.skip(reason)
+    plane = ControlPlane(tmp_path_factory.mktemp("k8s"))
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def deployed(control_plane: ControlPlane, tmp_path: Path) -> Iterator[DeployedStack]:
+    """deploy/ on the fake nodes, every Deployment available; all of it removed afterwards."""
+    stack = DeployedStack(control_plane, tmp_path)
+    try:
+        stack.up()
+        yield stack
+    finally:
+        stack.down()
+
+
+@pytest.fixture
+def real_backend(deployed: DeployedStack) -> Iterator[Callable[..., KubernetesBackend]]:
+    """KubernetesBackend acting as deploy/10-rbac.yaml's service account."""
+    made: list[KubernetesBackend] = []
+
+    def make(**overrides: Any) -> KubernetesBackend:
+        values: dict[str, Any] = {
+            "namespace": NAMESPACE,
+            "allowed_namespaces": (NAMESPACE,),
+            "kubeconfig": str(deployed.backend_kubeconfig),
+            "request_timeout_s": 10.0,
+            "exec_timeout_s": 10.0,
+            "ready_timeout_s": 30.0,
+            "poll_interval_s": 0.1,
             **overrides,
         }
         backend = KubernetesBackend(KubernetesSettings(**values))
