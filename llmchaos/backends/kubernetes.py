@@ -266,9 +266,12 @@ def check_settings(settings: KubernetesSettings) -> None:
         value = getattr(settings, field)
         if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise InvalidInput(f"{field}: expected a positive number of seconds, got {value!r}")
-    if not settings.partition_label or "=" in settings.partition_label:
+    if not isinstance(settings.partition_label, str) or not _valid_label_key(
+        settings.partition_label
+    ):
         raise InvalidInput(
-            f"partition_label: expected a label key such as llmchaos.io/partitioned, got "
+            f"partition_label: expected a label key such as llmchaos.io/partitioned ([prefix/]"
+            f"name: a name of at most 63 letters, digits, '-', '_', '.'), got "
             f"{settings.partition_label!r}"
         )
 
@@ -282,6 +285,17 @@ _LABEL_KEY = re.compile(
     r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def _valid_label_key(key: str) -> bool:
+    """A label key as the API server accepts it: [prefix/]name, name at most 63 characters,
+    prefix a DNS subdomain of at most 253."""
+    prefix, _, name = key.rpartition("/")
+    return bool(_LABEL_KEY.match(key)) and len(name) <= 63 and len(prefix) <= 253
+
+
+def _valid_label_value(value: str) -> bool:
+    return bool(_LABEL_VALUE.match(value)) and len(value) <= 63
 
 
 def parse_selector(selector: str, field: str = "selector") -> list[Requirement]:
@@ -319,7 +333,7 @@ def parse_selector(selector: str, field: str = "selector") -> list[Requirement]:
         else:
             requirements.append((part, "exists", frozenset()))
         key, _, values = requirements[-1]
-        if not _LABEL_KEY.match(key) or not all(_LABEL_VALUE.match(v) for v in values):
+        if not _valid_label_key(key) or not all(_valid_label_value(v) for v in values):
             raise InvalidInput(
                 f"{field}: cannot parse {part!r} in label selector {selector!r} (expected "
                 f"key=value, key!=value, key in (a,b), key notin (a,b), key or !key)"
@@ -606,11 +620,17 @@ class KubernetesBackend(Backend):
             except ValueError:
                 status = {"status": "Failure", "message": status_text.strip()}
             if status.get("status") != "Success":
-                causes = (status.get("details") or {}).get("causes") or [{}]
-                code = causes[0].get("message", "?")
+                # A kubelet names the exit code in a cause; other runtimes (kwok) only say
+                # why in the message.
+                causes = (status.get("details") or {}).get("causes") or []
+                code = next(
+                    (c.get("message") for c in causes if c.get("reason") == "ExitCode"), None
+                )
+                verdict = f"exit code {code}" if code else str(status.get("message") or "failed")
+                output = stderr.strip()
                 raise StackError(
-                    f"kubernetes: {what} {self._pod_ref(pod)}: exit code {code}: "
-                    f"{(stderr.strip() or status.get('message') or 'no output')[:300]}"
+                    f"kubernetes: {what} {self._pod_ref(pod)}: {verdict[:300]}"
+                    + (f": {output[:300]}" if output and output not in verdict else "")
                 )
         return stdout
 
@@ -819,7 +839,8 @@ class KubernetesBackend(Backend):
 
     def restore_gateway(self, gateway: str) -> None:
         """Nothing to start (the Deployment recreates the pod): wait until the gateway
-        Deployment has all its replicas ready, at most ready_timeout_s. Idempotent.
+        Deployment has all its replicas ready, in its status and as Ready gateway pods, at
+        most ready_timeout_s. Idempotent.
 
         Raises ComponentNotReady past the deadline.
         """
@@ -830,13 +851,17 @@ class KubernetesBackend(Backend):
         deadline = time.monotonic() + self.settings.ready_timeout_s
         while True:
             ready, desired = self._deployment_ready(name, "gateway_deployment")
-            if ready >= desired:
+            # The Deployment's status lags the pods: right after a crash it still counts the
+            # deleted pod as ready. The pods themselves say whether a replacement is Ready.
+            pods = sum(1 for p in self._role_pods("gateway") if _pod_ready(p))
+            if min(ready, pods) >= desired:
                 return
             if time.monotonic() >= deadline:
                 raise ComponentNotReady(
-                    f"kubernetes: gateway deployment {self.namespace}/{name}: {ready}/{desired} "
-                    f"replicas ready after {self.settings.ready_timeout_s:g} s "
-                    f"(ready_timeout_s) since {gateway} was restored"
+                    f"kubernetes: gateway deployment {self.namespace}/{name}: "
+                    f"{min(ready, pods)}/{desired} replicas ready after "
+                    f"{self.settings.ready_timeout_s:g} s (ready_timeout_s) since {gateway} "
+                    f"was restored"
                 )
             time.sleep(self.settings.poll_interval_s)
 
