@@ -22,10 +22,15 @@ selectors; the backend filters them itself. Every request is logged in `requests
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import re
+import shutil
+import socket
+import subprocess
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +40,7 @@ from typing import Any
 import aiohttp.web
 import kmock
 import pytest
+import redis
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
@@ -421,3 +427,65 @@ def real_backend(deployed: DeployedStack) -> Iterator[Callable[..., KubernetesBa
     finally:
         for backend in made:
             backend.close()
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A real redis-server (Debian's) on a free port, as a cluster's Redis behind redis_url."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (make setup installs it)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        client.close()
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture
+def gpu_processes() -> Iterator[Callable[[list[int]], str]]:
+    """A scripted /gpu/processes listing given pids (for pids that cannot be killed)."""
+    servers: list[http.server.HTTPServer] = []
+
+    def serve(pids: list[int]) -> str:
+        body = json.dumps([{"pid": pid, "process_name": "python"} for pid in pids]).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    try:
+        yield serve
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()

@@ -125,10 +125,19 @@ class ControlPlane:
         (kwok/audit-policy.yaml), one JSON event per line."""
         return self.root / "audit.log"
 
-    def audit_events(self, user: str) -> list[dict[str, Any]]:
-        """Audit events (ResponseComplete) of requests by `user`, in order."""
+    def audit_offset(self) -> int:
+        """The audit log's size now: audit_events(since=) reads what comes after."""
         try:
-            lines = self.audit_log.read_text().splitlines()
+            return self.audit_log.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def audit_events(self, user: str, since: int = 0) -> list[dict[str, Any]]:
+        """Audit events (ResponseComplete) of requests by `user` from byte `since`, in order."""
+        try:
+            with self.audit_log.open("rb") as log:
+                log.seek(since)
+                lines = log.read().decode().splitlines()
         except FileNotFoundError:
             return []
         events = [json.loads(line) for line in lines if line.strip()]
@@ -458,6 +467,11 @@ class DeployedStack:
         self.plane.service_account_kubeconfig(
             NAMESPACE, BACKEND_SERVICE_ACCOUNT, self.backend_kubeconfig
         )
+        self.audit_from = self.plane.audit_offset()
+
+    def audit_events(self, user: str | None = None) -> list[dict[str, Any]]:
+        """What `user` (default: the backend's service account) sent since up()."""
+        return self.plane.audit_events(user or self.backend_user, self.audit_from)
 
     def down(self, timeout_s: float = 60.0) -> None:
         """Delete the namespaces the tests used, deploy/'s cluster-wide RBAC and the nodes;
@@ -474,6 +488,11 @@ class DeployedStack:
             if not ns.metadata.name.startswith("kube-") and ns.metadata.name != "default"
         ]
         for namespace in namespaces:
+            # Workloads first, pods at once: the namespace controller then finds it empty
+            # (left to itself it deletes in passes with back-off, about 10 s here).
+            self.apps.delete_collection_namespaced_deployment(namespace)
+            self.apps.delete_collection_namespaced_replica_set(namespace)
+            self.core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
             self._ignore_404(self.core.delete_namespace, namespace)
         self.wait(
             lambda: (
@@ -499,13 +518,26 @@ class DeployedStack:
         return [p.metadata.name for p in self.pods(selector, namespace)]
 
     def available(self) -> bool:
+        """Every Deployment complete, by its status and by its pods (the status lags: just
+        after a pod is deleted it still counts it)."""
         for deployment in self.apps.list_namespaced_deployment(NAMESPACE).items:
-            status = deployment.status
+            status, replicas = deployment.status, deployment.spec.replicas
+            selector = ",".join(
+                f"{k}={v}" for k, v in deployment.spec.selector.match_labels.items()
+            )
+            pods = [p for p in self.pods(selector) if p.metadata.deletion_timestamp is None]
+            ready = [
+                p
+                for p in pods
+                if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+            ]
             if (
                 status.observed_generation != deployment.metadata.generation
-                or (status.available_replicas or 0) != deployment.spec.replicas
-                or (status.updated_replicas or 0) != deployment.spec.replicas
-                or (status.replicas or 0) != deployment.spec.replicas
+                or (status.available_replicas or 0) != replicas
+                or (status.updated_replicas or 0) != replicas
+                or (status.replicas or 0) != replicas
+                or len(pods) != replicas
+                or len(ready) != replicas
             ):
                 return False
         return True
