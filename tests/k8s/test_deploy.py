@@ -18,6 +18,7 @@ from kubernetes import client as k8s
 
 from llmchaos.backends.kubernetes import KubernetesBackend, KubernetesSettings, parse_selector
 from llmchaos.backends.kubernetes import selector_matches as matches
+from llmchaos.cluster_load import worker_deployment
 from llmchaos.load.config import LoadConfig
 from llmchaos.stack.settings import GatewaySettings, settings_from_dict
 
@@ -272,6 +273,11 @@ def test_rbac_grants_exactly_the_verbs_the_backend_uses(
         backend.gpu_allocatable("node-gpu-0")
         backend.drain_node("node-gpu-0")  # cordon + evictions
         backend.uncordon_node("node-gpu-0")
+        deployed.apps.delete_namespaced_deployment("locust-worker", NS)  # deploy/'s, by hand
+        workers = worker_deployment(DEPLOY / "70-locust.yaml")
+        backend.start_load_workers(workers, 6000)  # load workers in the cluster
+        backend.scale_load_workers("locust-worker", 2000)
+        backend.stop_load_workers("locust-worker")
     finally:
         sleeper.kill()
         sleeper.wait()
