@@ -342,23 +342,12 @@ def cluster(emulator: Emulator, kubeconfig: Path) -> Iterator[k8s.ApiClient]:
         api.close()
 
 
-@pytest.fixture
-def make_backend(cluster: k8s.ApiClient, kubeconfig: Path) -> Iterator[Callable[..., Any]]:
-    """KubernetesBackend over the kubeconfig, with test-friendly timeouts."""
+def _backend_factory(**defaults: Any) -> Iterator[Callable[..., KubernetesBackend]]:
+    """make(**overrides) -> KubernetesBackend with `defaults`; all closed at the end."""
     made: list[KubernetesBackend] = []
 
     def make(**overrides: Any) -> KubernetesBackend:
-        values: dict[str, Any] = {
-            "namespace": NS,
-            "allowed_namespaces": (NS,),
-            "kubeconfig": str(kubeconfig),
-            "request_timeout_s": 5.0,
-            "exec_timeout_s": 5.0,
-            "ready_timeout_s": 5.0,
-            "poll_interval_s": 0.05,
-            **overrides,
-        }
-        backend = KubernetesBackend(KubernetesSettings(**values))
+        backend = KubernetesBackend(KubernetesSettings(**{**defaults, **overrides}))
         made.append(backend)
         return backend
 
@@ -367,6 +356,20 @@ def make_backend(cluster: k8s.ApiClient, kubeconfig: Path) -> Iterator[Callable[
     finally:
         for backend in made:
             backend.close()
+
+
+@pytest.fixture
+def make_backend(cluster: k8s.ApiClient, kubeconfig: Path) -> Iterator[Callable[..., Any]]:
+    """KubernetesBackend over the kubeconfig, with test-friendly timeouts."""
+    yield from _backend_factory(
+        namespace=NS,
+        allowed_namespaces=(NS,),
+        kubeconfig=str(kubeconfig),
+        request_timeout_s=5.0,
+        exec_timeout_s=5.0,
+        ready_timeout_s=5.0,
+        poll_interval_s=0.05,
+    )
 
 
 # -- the real control plane ------------------------------------------------------------------
@@ -405,28 +408,15 @@ def deployed(control_plane: ControlPlane, tmp_path: Path) -> Iterator[DeployedSt
 @pytest.fixture
 def real_backend(deployed: DeployedStack) -> Iterator[Callable[..., KubernetesBackend]]:
     """KubernetesBackend acting as deploy/10-rbac.yaml's service account."""
-    made: list[KubernetesBackend] = []
-
-    def make(**overrides: Any) -> KubernetesBackend:
-        values: dict[str, Any] = {
-            "namespace": NAMESPACE,
-            "allowed_namespaces": (NAMESPACE,),
-            "kubeconfig": str(deployed.backend_kubeconfig),
-            "request_timeout_s": 10.0,
-            "exec_timeout_s": 10.0,
-            "ready_timeout_s": 30.0,
-            "poll_interval_s": 0.1,
-            **overrides,
-        }
-        backend = KubernetesBackend(KubernetesSettings(**values))
-        made.append(backend)
-        return backend
-
-    try:
-        yield make
-    finally:
-        for backend in made:
-            backend.close()
+    yield from _backend_factory(
+        namespace=NAMESPACE,
+        allowed_namespaces=(NAMESPACE,),
+        kubeconfig=str(deployed.backend_kubeconfig),
+        request_timeout_s=10.0,
+        exec_timeout_s=10.0,
+        ready_timeout_s=30.0,
+        poll_interval_s=0.1,
+    )
 
 
 @pytest.fixture

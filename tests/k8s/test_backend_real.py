@@ -122,6 +122,27 @@ def service_account(deployed: DeployedStack, name: str, rules: list[dict[str, An
     )
 
 
+def another_teams_gpu_pod(deployed: DeployedStack, name: str) -> None:
+    """A pod of namespace other-team on node-gpu-0 with the GPU pods' labels: chaos in
+    llmchaos must never see or touch it."""
+    deployed.core.create_namespace({"metadata": {"name": "other-team"}})
+    deployed.wait(
+        lambda: any(
+            s.metadata.name == "default"
+            for s in deployed.core.list_namespaced_service_account("other-team").items
+        ),
+        30,
+        "default service account of other-team",
+    )
+    deployed.core.create_namespaced_pod(
+        "other-team",
+        {
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/component": "engine-gpu"}},
+            "spec": {"nodeName": "node-gpu-0", "containers": [{"name": "c", "image": "x"}]},
+        },
+    )
+
+
 # -- names and selectors ---------------------------------------------------------------------
 SELECTORS = [
     GPU,
@@ -158,25 +179,7 @@ def test_label_selectors_mean_what_the_server_means(deployed: DeployedStack) -> 
 def test_info_lists_the_namespaces_pods_not_another_teams(
     deployed: DeployedStack, real_backend: Make
 ) -> None:
-    deployed.core.create_namespace({"metadata": {"name": "other-team"}})
-    deployed.wait(
-        lambda: any(
-            s.metadata.name == "default"
-            for s in deployed.core.list_namespaced_service_account("other-team").items
-        ),
-        30,
-        "default service account of other-team",
-    )
-    deployed.core.create_namespaced_pod(
-        "other-team",
-        {
-            "metadata": {
-                "name": "their-gpu-job",
-                "labels": {"app.kubernetes.io/component": "engine-gpu"},
-            },
-            "spec": {"nodeName": "node-gpu-0", "containers": [{"name": "c", "image": "x"}]},
-        },
-    )
+    another_teams_gpu_pod(deployed, "their-gpu-job")
     info = real_backend().info()
     assert sorted(w.name for w in info.workers if w.mode == "gpu") == deployed.pod_names(GPU)
     assert [w.name for w in info.workers if w.mode == "cpu"] == deployed.pod_names(
@@ -549,25 +552,7 @@ def test_drain_evicts_for_real_and_a_disruption_budget_blocks_with_429(
         20,
         "the disruption controller counting the budget's pods",
     )
-    deployed.core.create_namespace({"metadata": {"name": "other-team"}})
-    deployed.wait(
-        lambda: any(
-            s.metadata.name == "default"
-            for s in deployed.core.list_namespaced_service_account("other-team").items
-        ),
-        30,
-        "default service account of other-team",
-    )
-    deployed.core.create_namespaced_pod(
-        "other-team",
-        {
-            "metadata": {
-                "name": "their-job",
-                "labels": {"app.kubernetes.io/component": "engine-gpu"},
-            },
-            "spec": {"nodeName": "node-gpu-0", "containers": [{"name": "c", "image": "x"}]},
-        },
-    )
+    another_teams_gpu_pod(deployed, "their-job")
     on_node = sorted(p.metadata.name for p in deployed.pods() if p.spec.node_name == "node-gpu-0")
     gpu_pod = [p for p in on_node if p.startswith("vllm-gpu-")]
     backend = real_backend()

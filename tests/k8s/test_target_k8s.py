@@ -43,6 +43,18 @@ def _k8s_env(kubeconfig: Path) -> dict[str, str]:
     }
 
 
+def _run_env(deployed: DeployedStack, stack: Topology, tmp_path: Path, qps: int) -> dict[str, str]:
+    """chaos run's environment: the cluster, and the embedded stack's gateway for traffic."""
+    return {
+        **_k8s_env(deployed.backend_kubeconfig),
+        "LLMCHAOS_K8S_GATEWAY_URL": stack.gateway_url,
+        "LLMCHAOS_K8S_TOKENS_FILE": stack.tokens_file,
+        "LLMCHAOS_QPS": str(qps),
+        "LLMCHAOS_WARMUP_S": "4",
+        "LLMCHAOS_RUNS_ROOT": str(tmp_path / "runs"),
+    }
+
+
 def _back_gpu_pods_with(deployed: DeployedStack, stack: Topology) -> dict[str, str]:
     """Map exec of the i-th GPU pod (by name, as the alias gpu-<i>) to the embedded worker
     gpu-<i>: {pod: worker}."""
@@ -118,14 +130,7 @@ def test_chaos_run_gateway_crash_on_k8s_by_configuration_only(
 ) -> None:
     stack = stack_factory(netns="off")  # the service the traffic goes to
     gateways = deployed.pod_names("app.kubernetes.io/component=gateway")
-    env = {
-        **_k8s_env(deployed.backend_kubeconfig),
-        "LLMCHAOS_K8S_GATEWAY_URL": stack.gateway_url,
-        "LLMCHAOS_K8S_TOKENS_FILE": stack.tokens_file,
-        "LLMCHAOS_QPS": "20",
-        "LLMCHAOS_WARMUP_S": "4",
-        "LLMCHAOS_RUNS_ROOT": str(tmp_path / "runs"),
-    }
+    env = _run_env(deployed, stack, tmp_path, qps=20)
     experiment = REPO / "experiments" / "gateway_crash.json"
     done = chaos_run(experiment, tmp_path / "journal.json", env=env)
     output = done.stdout + done.stderr
@@ -166,14 +171,7 @@ def test_chaos_run_gpu_kill_on_k8s_end_to_end(
     state_path = Path(stack.node(stack.worker("gpu-0").node).agent_state_path)
     before = read_agent_state(state_path)
     assert before is not None
-    env = {
-        **_k8s_env(deployed.backend_kubeconfig),
-        "LLMCHAOS_K8S_GATEWAY_URL": stack.gateway_url,
-        "LLMCHAOS_K8S_TOKENS_FILE": stack.tokens_file,
-        "LLMCHAOS_QPS": "40",
-        "LLMCHAOS_WARMUP_S": "4",
-        "LLMCHAOS_RUNS_ROOT": str(tmp_path / "runs"),
-    }
+    env = _run_env(deployed, stack, tmp_path, qps=40)
     done = chaos_run(REPO / "experiments" / "gpu_kill.json", tmp_path / "journal.json", env=env)
     output = done.stdout + done.stderr
     assert done.returncode == exit_code, output[-4000:]
