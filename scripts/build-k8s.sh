@@ -28,8 +28,11 @@ if built "$stamp"; then
   exit 0
 fi
 if ! command -v go >/dev/null 2>&1; then
-  echo "build-k8s: no go command: install Go >= 1.26 (the Kubernetes tests need it)" >&2
-  exit 1
+  # Outside CI the Kubernetes tests then skip, saying why; CI must run them.
+  echo "build-k8s: no go command: install Go >= 1.26 to build the control plane the" \
+    "Kubernetes tests run against (tests/k8s/ skip without it, and fail under CI)" >&2
+  [[ -z ${CI:-} ]]
+  exit
 fi
 grep -Eq "^\s+k8s.io/kubernetes $KUBERNETES_VERSION( |$)" "$here/k8s/go.mod" || {
   echo "build-k8s: scripts/k8s/go.mod does not require k8s.io/kubernetes $KUBERNETES_VERSION" \
