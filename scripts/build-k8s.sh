@@ -56,7 +56,8 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   version_flags+=" -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1"
   version_flags+=" -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
 done
-export CGO_ENABLED=0 GOFLAGS=-mod=readonly
+# -buildvcs=false: the binaries do not depend on this repository's git state
+export CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false"
 cd "$here/k8s"
 go build -trimpath -ldflags="-s -w$version_flags" -o "$out/tmp/" \
   k8s.io/kubernetes/cmd/kube-apiserver \

@@ -42,6 +42,8 @@ Make = Callable[..., KubernetesBackend]
 GPU = "app.kubernetes.io/component=engine-gpu"
 GATEWAY = "app.kubernetes.io/component=gateway"
 LABEL = "llmchaos.io/partitioned"
+WATCH_LAG_S = 0.5
+"""How late this test's watch may see a pod change on a busy 2-core machine."""
 
 
 def _free_port() -> int:
@@ -519,9 +521,12 @@ def test_pod_recovery_times_agree_with_a_watch_of_the_pods(
     assert entry["node"] == node_of(deployed, entry["pod_name"])
     rescheduling = reference["scheduled"] - killed_at
     readiness = reference["ready"] - reference["scheduled"]
-    # API timestamps are whole seconds: each figure within 1 s of the reference
-    assert abs(entry["pod_rescheduling_time"] - rescheduling) <= 1.0, (entry, reference)
-    assert abs(entry["pod_readiness_time"] - readiness) <= 1.0, (entry, reference)
+    # API timestamps are truncated to whole seconds (up to 1 s early) and the watch sees an
+    # event after it happened (up to WATCH_LAG_S on a busy machine): the API's figure may be
+    # below the reference by both, and above it by at most a truncation.
+    early = rescheduling - entry["pod_rescheduling_time"]
+    assert -0.05 <= early <= 1.0 + WATCH_LAG_S, (entry, reference)
+    assert abs(entry["pod_readiness_time"] - readiness) <= 1.0 + WATCH_LAG_S, (entry, reference)
     assert POD_READY_DELAY_S - 1.0 <= entry["pod_readiness_time"] <= POD_READY_DELAY_S + 2.0
     assert (
         entry["total_recovery_time"] == entry["pod_rescheduling_time"] + entry["pod_readiness_time"]
