@@ -449,12 +449,8 @@ class DeployedStack:
         for name, gpus in NODES.items():
             self.core.create_node(fake_node(name, gpus))
         docs = deploy_documents()
-        self.plane.create(docs[:1])  # the namespace
-        self.wait(
-            lambda: self._exists(self.core.read_namespaced_service_account, "default"),
-            timeout_s,
-            "service account default (the serviceaccount controller)",
-        )
+        assert docs[0]["kind"] == "Namespace" and docs[0]["metadata"]["name"] == NAMESPACE
+        self.create_namespace(NAMESPACE, docs[0])
         self.core.create_namespaced_secret(
             NAMESPACE,
             {
@@ -474,8 +470,9 @@ class DeployedStack:
         return self.plane.audit_events(user or self.backend_user, self.audit_from)
 
     def down(self, timeout_s: float = 60.0) -> None:
-        """Delete the namespaces the tests used, deploy/'s cluster-wide RBAC and the nodes;
-        wait until the namespaces are gone (their pods deleted through kwok)."""
+        """Empty the namespaces the tests used (they are kept: deleting a namespace takes the
+        namespace controller about 5 s even when it is empty), delete deploy/'s cluster-wide
+        RBAC and the nodes; wait until no pod is left."""
         rbac = k8s.RbacAuthorizationV1Api(self.api)
         for delete, name in (
             (rbac.delete_cluster_role_binding, "llmchaos-chaos-nodes"),
@@ -487,26 +484,53 @@ class DeployedStack:
             for ns in self.core.list_namespace().items
             if not ns.metadata.name.startswith("kube-") and ns.metadata.name != "default"
         ]
+        policy, autoscaling = k8s.PolicyV1Api(self.api), k8s.AutoscalingV2Api(self.api)
+        net = k8s.NetworkingV1Api(self.api)
         for namespace in namespaces:
-            # Workloads first, pods at once: the namespace controller then finds it empty
-            # (left to itself it deletes in passes with back-off, about 10 s here).
-            self.apps.delete_collection_namespaced_deployment(namespace)
-            self.apps.delete_collection_namespaced_replica_set(namespace)
+            # workloads before their pods, so nothing makes new ones
+            for delete in (
+                self.apps.delete_collection_namespaced_deployment,
+                self.apps.delete_collection_namespaced_replica_set,
+                autoscaling.delete_collection_namespaced_horizontal_pod_autoscaler,
+                policy.delete_collection_namespaced_pod_disruption_budget,
+                net.delete_collection_namespaced_network_policy,
+                self.core.delete_collection_namespaced_service,
+                self.core.delete_collection_namespaced_config_map,
+                self.core.delete_collection_namespaced_secret,
+                self.core.delete_collection_namespaced_service_account,
+                rbac.delete_collection_namespaced_role,
+                rbac.delete_collection_namespaced_role_binding,
+            ):
+                delete(namespace)
+            self.custom.delete_collection_namespaced_custom_object(
+                "kwok.x-k8s.io", "v1alpha1", namespace, "execs"
+            )
             self.core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
-            self._ignore_404(self.core.delete_namespace, namespace)
         self.wait(
-            lambda: (
-                not any(
-                    self._exists(self.core.read_namespace, namespace, namespaced=False)
-                    for namespace in namespaces
-                )
-            ),
+            lambda: not self.core.list_pod_for_all_namespaces().items,
             timeout_s,
-            f"namespaces {namespaces} deleted",
+            f"every pod of {namespaces} deleted",
         )
         for node in self.core.list_node().items:
             self._ignore_404(self.core.delete_node, node.metadata.name)
         self.api.close()
+
+    def create_namespace(self, name: str, body: dict[str, Any] | None = None) -> None:
+        """Create namespace `name` (from `body` if given) unless it is there (down() keeps
+        them, emptied); wait for its default service account (pods need it)."""
+        try:
+            self.core.create_namespace(body or {"metadata": {"name": name}})
+        except k8s.ApiException as exc:
+            if exc.status != 409:
+                raise
+        self.wait(
+            lambda: any(
+                s.metadata.name == "default"
+                for s in self.core.list_namespaced_service_account(name).items
+            ),
+            30,
+            f"service account default of {name} (the serviceaccount controller)",
+        )
 
     # -- reading and waiting -------------------------------------------------------------
     def pods(self, selector: str = "", namespace: str = NAMESPACE) -> list[Any]:
@@ -614,15 +638,6 @@ class DeployedStack:
         self.wait(works, timeout_s, f"exec into {namespace}/{pod} mapped by kwok")
 
     # -- internals -----------------------------------------------------------------------
-    def _exists(self, read: Callable[..., Any], name: str, namespaced: bool = True) -> bool:
-        try:
-            read(name, NAMESPACE) if namespaced else read(name)
-            return True
-        except k8s.ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
-
     @staticmethod
     def _ignore_404(delete: Callable[..., Any], *args: Any) -> None:
         try:

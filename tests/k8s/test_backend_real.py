@@ -127,15 +127,7 @@ def service_account(deployed: DeployedStack, name: str, rules: list[dict[str, An
 def another_teams_gpu_pod(deployed: DeployedStack, name: str) -> None:
     """A pod of namespace other-team on node-gpu-0 with the GPU pods' labels: chaos in
     llmchaos must never see or touch it."""
-    deployed.core.create_namespace({"metadata": {"name": "other-team"}})
-    deployed.wait(
-        lambda: any(
-            s.metadata.name == "default"
-            for s in deployed.core.list_namespaced_service_account("other-team").items
-        ),
-        30,
-        "default service account of other-team",
-    )
+    deployed.create_namespace("other-team")
     deployed.core.create_namespaced_pod(
         "other-team",
         {
