@@ -74,6 +74,8 @@ class SecondRecord:
     """Still in flight when the record was read (0 in a finished timeline)."""
     modes: dict[str, int] = field(default_factory=dict)
     latency: LogHistogram = field(default_factory=LogHistogram)
+    stream_p99_ms: dict[str, float | None] = field(default_factory=dict)
+    """P99 of the streams' "ttft_ms", "itl_ms", "tpot_ms" in this second (for the report)."""
 
     @property
     def answered(self) -> int:
@@ -92,6 +94,9 @@ class SecondRecord:
             unanswered=int(line.get("unanswered", 0)),
             modes={str(k): int(v) for k, v in line.get("modes", {}).items()},
             latency=LogHistogram.from_json(hist) if hist else LogHistogram(),
+            stream_p99_ms={
+                name: (line.get(name) or {}).get("p99") for name in ("ttft_ms", "itl_ms", "tpot_ms")
+            },
         )
 
 

@@ -25,13 +25,16 @@ __all__ = [
     "achieved_qps",
     "error_rate",
     "frame_drops",
+    "goodput_qps",
     "healthy_workers",
+    "itl_p99_ms",
     "p99_latency_ms",
     "queue_depth",
     "recovery_time_s",
     "served_in_mode_since_fault",
     "serving_mode_share",
     "slo",
+    "tpot_p99_ms",
     "ttft_p99_ms",
     "window_error_rate",
     "worst_p99_ms_since_fault",
@@ -59,6 +62,9 @@ _EMPTY_WINDOW: dict[str, Any] = {
     "frame_drops": 0,
     "latency_with_unanswered_ms": {"p99": None},
     "ttft_ms": {"p99": None},
+    "itl_ms": {"p99": None},
+    "tpot_ms": {"p99": None},
+    "goodput_qps": 0.0,
     "serving_mode_share": {},
 }
 
@@ -83,8 +89,27 @@ def p99_latency_ms(run: ChaosRun, window_s: float = 0.0, since_fault: bool = Fal
 
 
 def ttft_p99_ms(run: ChaosRun, window_s: float = 0.0, since_fault: bool = False) -> float:
-    """P99 time to first token of the streaming requests (0 when there were none)."""
+    """P99 time to first token of the streaming requests: from the scheduled send time to the
+    first chunk with non-empty content (0 when there were none)."""
     return float(_window(run, window_s, since_fault)["ttft_ms"]["p99"] or 0.0)
+
+
+def itl_p99_ms(run: ChaosRun, window_s: float = 0.0, since_fault: bool = False) -> float:
+    """P99 of the gaps between successive content chunks of the streams (0 when none)."""
+    return float(_window(run, window_s, since_fault)["itl_ms"]["p99"] or 0.0)
+
+
+def tpot_p99_ms(run: ChaosRun, window_s: float = 0.0, since_fault: bool = False) -> float:
+    """P99 time per output token of the streams, (e2e - TTFT) / (output tokens - 1)
+    (0 when none)."""
+    return float(_window(run, window_s, since_fault)["tpot_ms"]["p99"] or 0.0)
+
+
+def goodput_qps(run: ChaosRun, window_s: float = 0.0, since_fault: bool = False) -> float:
+    """Requests per second in the window that met every SLO of the run: TTFT <= ttft_slo_ms,
+    TPOT <= tpot_slo_ms and end to end <= p99_slo_ms (DistServe's goodput, vLLM's
+    `--goodput`); by scheduled time."""
+    return float(_window(run, window_s, since_fault)["goodput_qps"] or 0.0)
 
 
 def error_rate(

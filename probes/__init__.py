@@ -1,6 +1,7 @@
 """Chaos Toolkit probes of llmchaos: thin entry points over `llmchaos.measure`.
 
-    probes.slo          p99_latency_ms, ttft_p99_ms, error_rate, frame_drops, achieved_qps,
+    probes.slo          p99_latency_ms, ttft_p99_ms, itl_p99_ms, tpot_p99_ms, goodput_qps,
+                        error_rate, frame_drops, achieved_qps,
                         worst_p99_ms_since_fault      (client side: the open-loop load)
     probes.target       queue_depth, serving_mode_share, served_in_mode_since_fault,
                         healthy_workers               (target side)

@@ -14,7 +14,10 @@ __all__ = [
     "achieved_qps",
     "error_rate",
     "frame_drops",
+    "goodput_qps",
+    "itl_p99_ms",
     "p99_latency_ms",
+    "tpot_p99_ms",
     "ttft_p99_ms",
     "worst_p99_ms_since_fault",
 ]
@@ -26,8 +29,24 @@ def p99_latency_ms(window_s: float = 0.0, since_fault: bool = False) -> float:
 
 
 def ttft_p99_ms(window_s: float = 0.0, since_fault: bool = False) -> float:
-    """P99 time to first token in ms of the streaming requests over the window."""
+    """P99 time to first token in ms of the streaming requests over the window (to the first
+    chunk with non-empty content)."""
     return measure.ttft_p99_ms(current_run(), window_s, since_fault)
+
+
+def itl_p99_ms(window_s: float = 0.0, since_fault: bool = False) -> float:
+    """P99 inter-token latency in ms (gaps between content chunks) over the window."""
+    return measure.itl_p99_ms(current_run(), window_s, since_fault)
+
+
+def tpot_p99_ms(window_s: float = 0.0, since_fault: bool = False) -> float:
+    """P99 time per output token in ms, (e2e - TTFT) / (tokens - 1), over the window."""
+    return measure.tpot_p99_ms(current_run(), window_s, since_fault)
+
+
+def goodput_qps(window_s: float = 0.0, since_fault: bool = False) -> float:
+    """Requests/s over the window that met every SLO of the run (TTFT, TPOT, end to end)."""
+    return measure.goodput_qps(current_run(), window_s, since_fault)
 
 
 def error_rate(

@@ -51,12 +51,22 @@ def frame_drops(ok_slots: Counter[int], from_s: float, to_s: float) -> tuple[int
 
 
 class Aggregate:
-    """All worker reports of one run merged; `start_epoch_s` is the schedule's time zero."""
+    """All worker reports of one run merged; `start_epoch_s` is the schedule's time zero.
 
-    def __init__(self, start_epoch_s: float, duration_s: float, target_qps: float) -> None:
+    `goodput`: whether the run has goodput SLOs (else goodput figures are None). Rates are
+    over the time the load really ran (`ran_s`): a run stopped early (by the control, or by
+    its owner's death) divides by the seconds until the stop, never by the planned schedule.
+    """
+
+    def __init__(
+        self, start_epoch_s: float, duration_s: float, target_qps: float, goodput: bool = False
+    ) -> None:
         self.start_epoch_s = start_epoch_s
         self.duration_s = duration_s
         self.target_qps = target_qps
+        self.goodput = goodput
+        self.stopped_at_s: float | None = None
+        """Schedule offset at which the run was stopped before its end; None if it was not."""
         self.seconds: dict[int, SecondStats] = {}
         self.ok_slots: Counter[int] = Counter()
         self._workers: dict[str, dict[str, Any]] = {}
@@ -68,6 +78,7 @@ class Aggregate:
             "in_flight": report["in_flight"],
             "complete_before_s": report["complete_before_s"],
             "final": report["final"],
+            "position_s": report.get("position_s"),
             "seen": time.monotonic(),
             "at_s": self.now_s(),
         }
@@ -83,6 +94,30 @@ class Aggregate:
 
     def now_s(self) -> float:
         return time.time() - self.start_epoch_s
+
+    def mark_stopped(self, at_s: float | None = None) -> None:
+        """Scheduling stopped at `at_s` (default now): the run's rates end there."""
+        if self.stopped_at_s is None:
+            self.stopped_at_s = max(0.0, self.now_s() if at_s is None else at_s)
+
+    def reported_until_s(self) -> float:
+        """How far into the schedule every worker has reported what it sent: the end of a run
+        cut off without the workers' final reports (SIGTERM) is the last point all of them
+        covered, else its rates would divide part of the requests by the whole time."""
+        positions = [
+            w["position_s"]
+            for w in self._workers.values()
+            if w["position_s"] is not None and not w["final"]
+        ]
+        return min([self.now_s(), *positions])
+
+    def ran_s(self) -> float:
+        """Seconds of schedule that really ran: up to the stop, the end, or now."""
+        end_s = self.now_s() if self.stopped_at_s is None else self.stopped_at_s
+        return max(0.0, min(self.duration_s, end_s))
+
+    def _per_s(self, count: int, span_s: float) -> float:
+        return round(count / span_s, 2) if span_s > 0 else 0.0
 
     def _merged(self, from_s: float, to_s: float) -> SecondStats:
         out = SecondStats()
@@ -113,7 +148,9 @@ class Aggregate:
             "in_flight": m.scheduled - m.dropped - done,
             "achieved_qps": round(done / span_s, 2),
             "ok_qps": round(m.ok / span_s, 2),
-            "goodput_qps": self._goodput_qps(from_s, to_s),
+            "goodput_qps": round(m.good / span_s, 2) if self.goodput else None,
+            "ok_completed_qps": self._ok_completed_qps(from_s, to_s),
+            "output_tokens_per_s": round(m.output_tokens / span_s, 2),
             "error_rate": round(sum(m.failed.values()) / done, 5) if done else 0.0,
             "error_rate_by_class": {
                 c: round(m.failed.get(c, 0) / done, 5) if done else 0.0 for c in FAILURE_CLASSES
@@ -121,7 +158,8 @@ class Aggregate:
             "latency_ms": quantiles(m.hist["latency_ms"]),
             "latency_with_unanswered_ms": quantiles(self._with_unanswered(from_s, to_s, m)),
             "ttft_ms": quantiles(m.hist["ttft_ms"]),
-            "tokens_per_s": quantiles(m.hist["tokens_per_s"]),
+            "itl_ms": quantiles(m.hist["itl_ms"]),
+            "tpot_ms": quantiles(m.hist["tpot_ms"]),
             "schedule_lag_ms": quantiles(m.hist["lag_ms"]),
             "frame_drops": drops,
             "frame_drop_s": drop_s,
@@ -151,7 +189,7 @@ class Aggregate:
                     out.add(max(0.0, (reported_s - (sec + 1)) * 1000.0), unanswered)
         return out
 
-    def _goodput_qps(self, from_s: float, to_s: float) -> float:
+    def _ok_completed_qps(self, from_s: float, to_s: float) -> float:
         """Successes per second by *completion* time in [from_s, to_s): the throughput the
         target delivered then (the other rates are keyed by scheduled time)."""
         end_s = min(to_s, self.now_s())
@@ -167,7 +205,8 @@ class Aggregate:
         failed = {c: m.failed.get(c, 0) for c in FAILURE_CLASSES}
         in_flight = self.in_flight
         done = m.done
-        drops, drop_s = frame_drops(self.ok_slots, 0.0, self.duration_s)
+        ran_s = self.ran_s()
+        drops, drop_s = frame_drops(self.ok_slots, 0.0, ran_s)
         lag_p99 = m.hist["lag_ms"].quantile(0.99)
         return {
             "scheduled": m.scheduled,
@@ -177,12 +216,18 @@ class Aggregate:
             "in_flight": in_flight,
             "accounting_closed": m.scheduled == m.ok + sum(failed.values()) + m.dropped + in_flight,
             "duration_s": self.duration_s,
+            "ran_s": round(ran_s, 3),
+            "stopped_early": self.stopped_at_s is not None and self.stopped_at_s < self.duration_s,
             "target_qps": self.target_qps,
-            "achieved_qps": round(done / self.duration_s, 2) if self.duration_s else 0.0,
+            "achieved_qps": self._per_s(done, ran_s),
+            "goodput_qps": self._per_s(m.good, ran_s) if self.goodput else None,
+            "output_tokens_per_s": self._per_s(m.output_tokens, ran_s),
             "schedule_lag_p99_ms": None if lag_p99 is None else round(lag_p99, 2),
+            "schedule_lag_ms": quantiles(m.hist["lag_ms"]),
             "latency_ms": quantiles(m.hist["latency_ms"]),
             "ttft_ms": quantiles(m.hist["ttft_ms"]),
-            "tokens_per_s": quantiles(m.hist["tokens_per_s"]),
+            "itl_ms": quantiles(m.hist["itl_ms"]),
+            "tpot_ms": quantiles(m.hist["tpot_ms"]),
             "frame_drops": drops,
             "frame_drop_s": drop_s,
             "serving_modes": dict(m.modes),
@@ -210,7 +255,8 @@ class Aggregate:
         line = {"t": sec, "ts": round(self.start_epoch_s + sec, 3), **stats.to_json()}
         line["unanswered"] = stats.scheduled - stats.dropped - stats.done
         line["latency_ms"] = quantiles(stats.hist["latency_ms"])
-        line["ttft_ms"] = quantiles(stats.hist["ttft_ms"])
+        for name in ("ttft_ms", "itl_ms", "tpot_ms"):
+            line[name] = quantiles(stats.hist[name])
         line["schedule_lag_ms"] = quantiles(stats.hist["lag_ms"])
         return line
 

@@ -33,8 +33,8 @@ SETTLE_S = 3.0
 class StepResult:
     offered_qps: float
     achieved_qps: float
-    """Successful answers per second completed during the step (goodput by completion time:
-    a saturated target's queue does not count as throughput)."""
+    """Successful answers per second completed during the step (by completion time: a
+    saturated target's queue does not count as throughput)."""
     p99_ms: float | None
     """P99 latency from scheduled time, unanswered requests counted at their age so far."""
     error_rate: float
@@ -91,7 +91,7 @@ def run_capacity(config: LoadConfig, warmup_share: float = 0.3) -> CapacityResul
             steps.append(
                 StepResult(
                     offered_qps=stage.qps,
-                    achieved_qps=w["goodput_qps"],
+                    achieved_qps=w["ok_completed_qps"],
                     p99_ms=w["latency_with_unanswered_ms"]["p99"],
                     error_rate=w["error_rate"],
                     dropped=w["dropped"],

@@ -13,6 +13,8 @@ from typing import Any
 from llmchaos.load.api import LoadRun
 from llmchaos.load.capacity import run_capacity, write_chart
 from llmchaos.load.config import LoadConfig
+from llmchaos.load.goodput import parse_goodput
+from llmchaos.signals import held
 
 __all__ = ["register"]
 
@@ -46,6 +48,19 @@ _COMMON: list[tuple[str, str, Any, str]] = [
     ("--web-ui-port", "web_ui_port", int, "serve the Locust web UI on this port"),
     ("--run-dir", "run_dir", str, "folder for the run's files (default: a temp folder)"),
     ("--step-s", "step_s", float, "length of one step of the stepped profile, seconds"),
+    (
+        "--prompt-tokens",
+        "prompt_tokens",
+        str,
+        "user-prompt length: N | uniform:LO:HI | normal:MEAN:SD (default: Zipf-like 10..4096)",
+    ),
+    ("--context-tokens", "context_tokens", int, "system-message context template, tokens"),
+    (
+        "--output-tokens",
+        "output_tokens",
+        str,
+        "max_tokens: N | uniform:LO:HI | normal:MEAN:SD (default: log-normal, median 64)",
+    ),
 ]
 _LOAD: list[tuple[str, str, Any, str]] = [
     ("--qps", "qps", float, "total arrival rate, requests/s"),
@@ -74,8 +89,33 @@ def _add(
 
 def _config(args: argparse.Namespace, specs: list[tuple[str, str, Any, str]]) -> LoadConfig:
     values = {name: getattr(args, name) for _, name, _, _ in specs}
+    slo = parse_goodput(args.goodput)
     # Owned by this command: a SIGKILLed `llmchaos load` (no cleanup) stops its load too.
-    return LoadConfig(url=args.url, owner_pid=os.getpid(), **values)
+    return LoadConfig(
+        url=args.url,
+        owner_pid=os.getpid(),
+        ignore_eos=args.ignore_eos,
+        goodput_ttft_ms=slo.ttft_ms,
+        goodput_tpot_ms=slo.tpot_ms,
+        goodput_e2e_ms=slo.e2e_ms,
+        **values,
+    )
+
+
+def _add_shaping(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos: true, so a vLLM target answers exactly max_tokens",
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="goodput SLOs as vLLM bench serve takes them: ttft:MS tpot:MS e2el:MS "
+        "(a request is good when it meets every one given)",
+    )
 
 
 def _load(args: argparse.Namespace) -> int:
@@ -86,7 +126,8 @@ def _load(args: argparse.Namespace) -> int:
     try:
         summary = run.wait()
     except KeyboardInterrupt:
-        summary = run.stop()
+        with held("stopping the load"):
+            summary = run.stop()
     print(json.dumps(summary.to_dict(), indent=2))
     return 0
 
@@ -108,6 +149,7 @@ def register(subparsers: Any) -> None:
     load = subparsers.add_parser("load", help="open-loop LLM load against a URL")
     load.add_argument("--url", required=True, help="base URL of the target, http://host:port")
     _add(load, _LOAD + _COMMON)
+    _add_shaping(load)
     load.set_defaults(func=_load)
 
     capacity = subparsers.add_parser(
@@ -118,4 +160,5 @@ def register(subparsers: Any) -> None:
         "--out", default="reports/capacity", help="folder for capacity.json and .svg"
     )
     _add(capacity, _CAPACITY + _COMMON, step_s=30.0)
+    _add_shaping(capacity)
     capacity.set_defaults(func=_capacity)

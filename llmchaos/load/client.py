@@ -32,7 +32,7 @@ import gevent
 import gevent.socket
 
 from llmchaos.load.http1 import BadResponse, NoResponse, ResponseParser
-from llmchaos.load.responses import SseReader, classify
+from llmchaos.load.responses import Answer, SseReader, classify
 
 __all__ = ["Client", "Exchange"]
 
@@ -61,8 +61,8 @@ class Exchange:
         self.done = False
 
 
-Done = Callable[[Exchange, str, "str | None", "float | None", "float | None", float], None]
-"""on_done(exchange, outcome, serving mode, TTFT ms, tokens/s, monotonic end time)."""
+Done = Callable[[Exchange, Answer, "str | None", float], None]
+"""on_done(exchange, answer, serving mode, monotonic end time)."""
 
 
 class Client:
@@ -105,12 +105,11 @@ class Client:
             else:
                 self.discard(conn)
         parser = ex.parser
-        ttft_ms = tokens_per_s = None
         if ex.sse is not None and parser.status == 200:
-            outcome, ttft_ms, tokens_per_s = ex.sse.result(ex.due)
+            answer = ex.sse.result(ex.due, now)
         else:
-            outcome = classify(parser.status, parser.body())
-        self.on_done(ex, outcome, parser.mode, ttft_ms, tokens_per_s, now)
+            answer = classify(parser.status, parser.body())
+        self.on_done(ex, answer, parser.mode, now)
 
     def fail(self, ex: Exchange, outcome: str) -> None:
         """End `ex` with a failure class; its connection is closed, never reused."""
@@ -121,7 +120,7 @@ class Client:
         if conn is not None:
             conn.exchange = None
             self.discard(conn)
-        self.on_done(ex, outcome, None, None, None, time.monotonic())
+        self.on_done(ex, Answer(outcome), None, time.monotonic())
 
     def discard(self, conn: _Conn) -> None:
         if conn.closed:

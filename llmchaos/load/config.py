@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput
-from llmchaos.load.traffic import check_bad_tokens
+from llmchaos.load.goodput import GoodputSlo
+from llmchaos.load.traffic import check_bad_tokens, parse_length
 
 __all__ = ["PROFILE_NAMES", "LoadConfig", "default_run_dir", "validate"]
 
@@ -71,19 +72,38 @@ class LoadConfig:
     model: str = "llmchaos-7b"
     """Model name in every request [--model] (the embedded stack serves llmchaos-7b)."""
     stream_share: float = 0.3
-    """Share of streaming (SSE) requests, where TTFT and tokens/s are measured [--stream-share]."""
+    """Share of streaming (SSE) requests, where TTFT, ITL and TPOT are measured
+    [--stream-share]."""
     prompt_alpha: float = 1.2
     """Tail exponent of the Zipf-like prompt length law (field: 1.2)."""
     prompt_min_tokens: int = 10
     """Shortest user prompt in tokens (field: 10)."""
     prompt_max_tokens: int = 4096
     """Longest user prompt in tokens (field: 4096)."""
+    prompt_tokens: str | None = None
+    """User-prompt length law [--prompt-tokens]: `N`, `uniform:LO:HI` or `normal:MEAN:SD`;
+    None: the Zipf-like law of prompt_alpha, prompt_min_tokens and prompt_max_tokens."""
     context_tokens: int = 512
-    """Context template sent as the system message of every request (field: 512 tokens)."""
+    """Context template sent as the system message of every request (field: 512 tokens;
+    0: none) [--context-tokens]."""
     output_median_tokens: int = 64
     """Median max_tokens (log-normal, sigma 0.7): chat answers of a few sentences."""
     output_max_tokens: int = 1024
     """Largest max_tokens drawn."""
+    output_tokens: str | None = None
+    """max_tokens law [--output-tokens], the forms of prompt_tokens; None: log-normal around
+    output_median_tokens."""
+    ignore_eos: bool = False
+    """Send `ignore_eos: true` (vLLM's extension) so that a real model produces exactly
+    max_tokens, as peer benchmarks do for fixed output lengths [--ignore-eos]. The embedded
+    stack's engines never stop early anyway."""
+    goodput_ttft_ms: float | None = None
+    """Goodput SLO on TTFT, ms [--goodput ttft:MS]; None: not part of it (goodput.py)."""
+    goodput_tpot_ms: float | None = None
+    """Goodput SLO on TPOT, ms [--goodput tpot:MS]."""
+    goodput_e2e_ms: float | None = None
+    """Goodput SLO on end-to-end latency, ms [--goodput e2el:MS]. With no goodput SLO set,
+    goodput is not measured (None in windows and the summary)."""
     timeout_s: float = 8.0
     """Whole-request deadline from the actual send (field: 8 s); beyond it: class `timeout`."""
     inflight_cap: int = 2000
@@ -129,6 +149,10 @@ class LoadConfig:
         if self.duration_s is None:
             return profile_duration_s
         return min(self.duration_s, profile_duration_s)
+
+    @property
+    def goodput_slo(self) -> GoodputSlo:
+        return GoodputSlo(self.goodput_ttft_ms, self.goodput_tpot_ms, self.goodput_e2e_ms)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -188,6 +212,24 @@ def validate(config: LoadConfig) -> None:
     if config.burst_factor < 0:
         raise InvalidInput(f"burst_factor: expected >= 0, got {config.burst_factor!r}")
     check_bad_tokens(config.bad_tokens, config.bad_token_share, None)
+    for law, flag in (
+        (config.prompt_tokens, "--prompt-tokens"),
+        (config.output_tokens, "--output-tokens"),
+    ):
+        if law is not None:
+            parse_length(law, flag)
+    if config.context_tokens < 0:
+        raise InvalidInput(f"--context-tokens: expected >= 0, got {config.context_tokens!r}")
+    for name, key in (
+        ("goodput_ttft_ms", "ttft"),
+        ("goodput_tpot_ms", "tpot"),
+        ("goodput_e2e_ms", "e2el"),
+    ):
+        value = getattr(config, name)
+        if value is not None and not (
+            isinstance(value, int | float) and math.isfinite(value) and value > 0
+        ):
+            raise InvalidInput(f"--goodput {key}: expected milliseconds > 0, got {value!r}")
     owner = config.owner_pid
     if owner is not None and (isinstance(owner, bool) or not isinstance(owner, int) or owner < 1):
         raise InvalidInput(f"owner_pid: expected a process id >= 1 or None, got {owner!r}")

@@ -18,7 +18,8 @@ process.py serves it with gevent's WSGI server inside the Locust master.
 /seconds answers {"start_ts", "now_s", "seconds": [...]}; each item is the record of one
 scheduled second, the same object as a line of the timeline file ("t", "ts", "scheduled",
 "dropped", "ok", "failed" by class, "modes", "tenants", "hist" with the serialized histograms,
-"unanswered", and "latency_ms"/"ttft_ms"/"schedule_lag_ms" quantiles), plus "final": false
+"unanswered", and "latency_ms"/"ttft_ms"/"itl_ms"/"tpot_ms"/"schedule_lag_ms" quantiles), plus
+"final": false
 while a worker can still add to it. "unanswered" = scheduled - dropped - answered at this
 moment. Seconds in which nothing was scheduled have no item.
 """
@@ -168,9 +169,26 @@ def prometheus_text(source: LiveSource) -> str:
         [("", total["frame_drops"])],
     )
     metric("achieved_qps", "gauge", "Answered requests/s, last 10 s", [("", w["achieved_qps"])])
+    metric(
+        "goodput_qps",
+        "gauge",
+        "Requests/s that met every goodput SLO (TTFT, TPOT, E2E), last 10 s",
+        [("", w["goodput_qps"])],
+    )
+    metric(
+        "output_tokens_per_s",
+        "gauge",
+        "Output tokens/s of the successes, last 10 s",
+        [("", w["output_tokens_per_s"])],
+    )
     for name, help_text in (
         ("latency_ms", "Latency from scheduled send time, last 10 s"),
-        ("ttft_ms", "Time to first token from scheduled send time, last 10 s"),
+        ("ttft_ms", "Time to first non-empty content chunk from scheduled send time, last 10 s"),
+        ("itl_ms", "Gaps between successive content chunks of streams, last 10 s"),
+        (
+            "tpot_ms",
+            "Time per output token after the first, (e2e - TTFT) / (tokens - 1), last 10 s",
+        ),
         ("schedule_lag_ms", "Send start minus scheduled time, last 10 s"),
     ):
         metric(

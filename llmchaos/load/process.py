@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import gevent
 import gevent.event
@@ -27,7 +27,6 @@ from llmchaos.files import write_json_atomic
 from llmchaos.load.aggregate import Aggregate
 from llmchaos.load.config import LoadConfig, default_run_dir
 from llmchaos.load.live import make_app
-from llmchaos.load.procs import Owner
 from llmchaos.load.profiles import build_profile
 from llmchaos.load.user import WORKER
 from llmchaos.load.wire import (
@@ -39,6 +38,7 @@ from llmchaos.load.wire import (
     START_MESSAGE,
     config_from_options,
 )
+from llmchaos.processes import Owner
 
 __all__ = ["Controller"]
 
@@ -46,9 +46,9 @@ logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
 _OWNER_CHECK_S = 1.0
+"""How often the master checks that the owner process is still there (one /proc read)."""
 START_RESEND_S = 5.0
 """How long after time zero the start is sent again, for workers that registered late."""
-"""How often the master checks that the owner process is still there (one /proc read)."""
 
 
 class Controller:
@@ -74,6 +74,7 @@ class Controller:
         runner = self.env.runner
         runner.register_message(REPORT_MESSAGE, self.on_report)
         self.env.events.test_start.add_listener(self.on_test_start)
+        self.env.events.quit.add_listener(self._on_quit)
         if isinstance(runner, MasterRunner):
             self.expected_workers = max(1, int(self.env.parsed_options.expect_workers or 1))
         self.server = WSGIServer(
@@ -84,7 +85,7 @@ class Controller:
         url = f"http://{host}:{self.server.server_port}"
         write_json_atomic(self.run_dir / LIVE_FILE, {"url": url, "pid": os.getpid()})
         if self.config.owner_pid is not None:
-            gevent.spawn(self._watch_owner, Owner(self.config.owner_pid))
+            gevent.spawn(self._watch_owner, Owner.of(self.config.owner_pid))
 
     # Locust hooks
 
@@ -96,7 +97,9 @@ class Controller:
         if self.aggregate is not None:  # a restart from the web UI keeps the first run
             return
         start = time.time() + START_DELAY_S
-        self.aggregate = Aggregate(start, self.duration_s, self.target_qps)
+        self.aggregate = Aggregate(
+            start, self.duration_s, self.target_qps, goodput=self.config.goodput_slo.defined
+        )
         self.state = "running"
         gevent.spawn(self._announce_start, start)
         gevent.spawn(self._lifecycle)
@@ -161,7 +164,7 @@ class Controller:
         """Stop the run once the owner is gone: nobody is left to stop it (a SIGKILLed
         `chaos run`), and load must not keep hitting the target. A stop before the test
         started takes effect at its first tick."""
-        while not owner.gone():
+        while owner.alive():
             gevent.sleep(_OWNER_CHECK_S)
         logger.warning("llmchaos load: owner process %d is gone, stopping", owner.pid)
         self.stop()
@@ -171,22 +174,20 @@ class Controller:
         assert agg is not None
         slack_s = self.config.drain_s + 3 * self.config.report_interval_s + 2.0
         deadline_s = self.duration_s + slack_s
-        with self.timeline_path.open("a") as timeline:
-            while True:
-                gevent.sleep(_TICK_S)
-                _write_lines(timeline, agg.final_lines())
-                if self.state == "running" and self.stop_requested.is_set():
-                    self.env.runner.send_message(CONTROL_MESSAGE, {"stop": True})
-                    deadline_s = min(deadline_s, agg.now_s() + slack_s)
-                    self.state = "draining"
-                elif self.state == "running" and agg.now_s() >= self.duration_s:
-                    self.state = "draining"
-                finals = agg.final_workers
-                if finals >= self.expected_workers or agg.now_s() >= deadline_s:
-                    break
-            _write_lines(timeline, agg.final_lines(flush_all=True))
-        write_json_atomic(self.summary_path, agg.summary())
-        self.state = "done"
+        while True:
+            gevent.sleep(_TICK_S)
+            self._write_timeline(agg.final_lines())
+            if self.state == "running" and self.stop_requested.is_set():
+                agg.mark_stopped()
+                self.env.runner.send_message(CONTROL_MESSAGE, {"stop": True})
+                deadline_s = min(deadline_s, agg.now_s() + slack_s)
+                self.state = "draining"
+            elif self.state == "running" and agg.now_s() >= self.duration_s:
+                self.state = "draining"
+            finals = agg.final_workers
+            if finals >= self.expected_workers or agg.now_s() >= deadline_s:
+                break
+        self._finish()
         gevent.sleep(_TICK_S)  # let a reader of /status see "done"
         if self.server is not None:
             self.server.stop(timeout=1)
@@ -194,12 +195,29 @@ class Controller:
             self.env.web_ui.stop()
         self.env.runner.quit()
 
+    def _finish(self) -> None:
+        """Write the rest of the timeline and the summary (once)."""
+        agg = self.aggregate
+        if agg is None or self.state == "done":
+            return
+        if self.state == "running":  # stopped from outside before its end (SIGTERM)
+            agg.mark_stopped(agg.reported_until_s())
+        self._write_timeline(agg.final_lines(flush_all=True))
+        write_json_atomic(self.summary_path, agg.summary())
+        self.state = "done"
 
-def _write_lines(stream: IO[str], lines: list[dict[str, Any]]) -> None:
-    for line in lines:
-        stream.write(json.dumps(line, separators=(",", ":")) + "\n")
-    if lines:
-        stream.flush()
+    def _on_quit(self, **_: Any) -> None:
+        """Locust quits (SIGTERM, or the end of the run): a run that did not finish still
+        leaves its timeline and a summary whose rates cover the time it ran. `quit` comes
+        after the runner stopped its users, so a local run's last report is in."""
+        self._finish()
+
+    def _write_timeline(self, lines: list[dict[str, Any]]) -> None:
+        if not lines:
+            return
+        with self.timeline_path.open("a") as stream:
+            for line in lines:
+                stream.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
 @events.init_command_line_parser.add_listener

@@ -27,17 +27,32 @@ class Summary:
     accounting_closed: bool
     """scheduled == ok + sum(failed) + dropped + in_flight, checked on the merged counts."""
     duration_s: float
+    """The planned schedule length."""
     target_qps: float
     achieved_qps: float
-    """Answered requests (any outcome) per second of schedule."""
+    """Answered requests (any outcome) per second of the time the load ran (`ran_s`)."""
     schedule_lag_p99_ms: float | None
     latency_ms: dict[str, float | None]
+    """End to end: p50, p90, p99, p999."""
     ttft_ms: dict[str, float | None]
-    tokens_per_s: dict[str, float | None]
+    """Time to first token of the streams (first non-empty content chunk)."""
     frame_drops: int
-    """Gaps of 3 s or more without a successful response."""
+    """Gaps of 3 s or more without a successful response, within `ran_s`."""
     frame_drop_s: float
     serving_modes: dict[str, int]
+    ran_s: float = 0.0
+    """Seconds of schedule that ran: the planned length, or less when the run was stopped."""
+    stopped_early: bool = False
+    goodput_qps: float | None = None
+    """Requests per second (of `ran_s`) that met every goodput SLO; None without SLOs."""
+    output_tokens_per_s: float = 0.0
+    """Output tokens of the successes per second of `ran_s`."""
+    itl_ms: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    """Gaps between successive content chunks of the streams."""
+    tpot_ms: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    """(e2e - TTFT) / (output tokens - 1) of the streams."""
+    schedule_lag_ms: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    """Actual send minus scheduled send time (part of every latency above)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Summary:

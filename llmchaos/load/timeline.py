@@ -19,7 +19,9 @@ from llmchaos.load.histogram import LogHistogram
 __all__ = ["FAILURE_CLASSES", "HISTOGRAMS", "Recorder", "SecondStats", "merge_report"]
 
 FAILURE_CLASSES = ("5xx", "429", "timeout", "connection", "bad_body", "4xx")
-HISTOGRAMS = ("latency_ms", "ttft_ms", "tokens_per_s", "lag_ms")
+HISTOGRAMS = ("latency_ms", "ttft_ms", "itl_ms", "tpot_ms", "lag_ms")
+"""End to end, time to first token, inter-token gaps, time per output token (responses.py says
+how each is measured), and send lag."""
 SLOTS_PER_S = 10
 """Resolution of the success instants used for frame drops (100 ms)."""
 
@@ -27,12 +29,27 @@ SLOTS_PER_S = 10
 class SecondStats:
     """Counts and histograms of the requests scheduled in one second."""
 
-    __slots__ = ("dropped", "failed", "hist", "modes", "ok", "scheduled", "tenants")
+    __slots__ = (
+        "dropped",
+        "failed",
+        "good",
+        "hist",
+        "modes",
+        "ok",
+        "output_tokens",
+        "scheduled",
+        "tenants",
+    )
 
     def __init__(self) -> None:
         self.scheduled = 0
         self.dropped = 0
         self.ok = 0
+        self.good = 0
+        """Successes that met every SLO of the run's goodput (DistServe's definition)."""
+        self.output_tokens = 0
+        """Output tokens of the successes (usage, else counted chunks; plain answers without
+        usage count none)."""
         self.failed: Counter[str] = Counter()
         self.modes: Counter[str] = Counter()
         self.tenants: Counter[str] = Counter()
@@ -46,6 +63,8 @@ class SecondStats:
         self.scheduled += other.scheduled
         self.dropped += other.dropped
         self.ok += other.ok
+        self.good += other.good
+        self.output_tokens += other.output_tokens
         self.failed.update(other.failed)
         self.modes.update(other.modes)
         self.tenants.update(other.tenants)
@@ -57,6 +76,8 @@ class SecondStats:
             "scheduled": self.scheduled,
             "dropped": self.dropped,
             "ok": self.ok,
+            "good": self.good,
+            "output_tokens": self.output_tokens,
             "failed": dict(self.failed),
             "modes": dict(self.modes),
             "tenants": dict(self.tenants),
@@ -69,6 +90,8 @@ class SecondStats:
         out.scheduled = int(data["scheduled"])
         out.dropped = int(data["dropped"])
         out.ok = int(data["ok"])
+        out.good = int(data.get("good", 0))
+        out.output_tokens = int(data.get("output_tokens", 0))
         out.failed.update(data["failed"])
         out.modes.update(data["modes"])
         out.tenants.update(data["tenants"])
@@ -115,22 +138,35 @@ class Recorder:
         done_offset_s: float,
         *,
         ttft_ms: float | None = None,
-        tokens_per_s: float | None = None,
+        itl_ms: list[float] | None = None,
+        tpot_ms: float | None = None,
+        output_tokens: int | None = None,
+        good: bool = False,
         mode: str | None = None,
         tenant: str = "",
     ) -> None:
-        """Record the end of a sent request; `outcome` is "ok" or a failure class."""
+        """Record the end of a sent request; `outcome` is "ok" or a failure class, `good` says
+        it met every goodput SLO. Stream timings count for successes only."""
         stats = self._second(sec)
+        hist = stats.hist
         if outcome == "ok":
             stats.ok += 1
             self._ok_slots[int(done_offset_s * SLOTS_PER_S)] += 1
+            if good:
+                stats.good += 1
+            if output_tokens:
+                stats.output_tokens += output_tokens
+            if ttft_ms is not None:
+                hist["ttft_ms"].add(ttft_ms)
+            if tpot_ms is not None:
+                hist["tpot_ms"].add(tpot_ms)
+            if itl_ms:
+                itl = hist["itl_ms"]
+                for gap in itl_ms:
+                    itl.add(gap)
         else:
             stats.failed[outcome] += 1
-        stats.hist["latency_ms"].add(latency_ms)
-        if ttft_ms is not None:
-            stats.hist["ttft_ms"].add(ttft_ms)
-        if tokens_per_s is not None:
-            stats.hist["tokens_per_s"].add(tokens_per_s)
+        hist["latency_ms"].add(latency_ms)
         if mode:
             stats.modes[mode] += 1
         if tenant:
@@ -146,7 +182,8 @@ class Recorder:
     def take_report(self, next_due_s: float | None, final: bool = False) -> dict[str, Any]:
         """The delta since the last report (and reset). `next_due_s`: the schedule position.
 
-        `complete_before_s` tells the master which seconds this worker will not touch again.
+        `complete_before_s` tells the master which seconds this worker will not touch again;
+        `position_s` how far its schedule has been reported (None: all of it).
         """
         horizon = [min(self._open)] if self._open else []
         if next_due_s is not None:
@@ -156,6 +193,7 @@ class Recorder:
             "ok_slots": {str(slot): n for slot, n in self._ok_slots.items()},
             "in_flight": self.in_flight,
             "complete_before_s": min(horizon) if horizon else None,
+            "position_s": next_due_s,
             "final": final,
         }
         self._seconds = {}

@@ -1,10 +1,13 @@
 """Requests shaped like LLM traffic: prompt and output lengths, streaming share, tenants.
 
-Prompt lengths follow a Pareto law truncated to [min, max] tokens (Zipf-like, alpha 1.2, the
-field's 10..4096): P(L > x) = ((m/x)^a - (m/M)^a) / (1 - (m/M)^a). Every prompt also carries a
-fixed context template (512 tokens) as its system message. Output lengths (max_tokens) are
-log-normal around a median. Texts come from `llmchaos.stack.tokens.make_text`, so the tokens the
-load chooses are the tokens the engine charges.
+By default prompt lengths follow a Pareto law truncated to [min, max] tokens (Zipf-like, alpha
+1.2, the field's 10..4096): P(L > x) = ((m/x)^a - (m/M)^a) / (1 - (m/M)^a), and output lengths
+(max_tokens) are log-normal around a median. `--prompt-tokens` / `--output-tokens` replace
+either law with a fixed count (`512`), a uniform (`uniform:100:500`) or a normal law
+(`normal:256:64`, kept within 1..4x the mean), to shape traffic like a peer benchmark's.
+Every prompt also carries a fixed context template (512 tokens by default) as its system
+message. Texts come from `llmchaos.stack.tokens.make_text`, so the tokens the load chooses are
+the tokens the engine charges.
 
 Plain Python, no gevent: a request is built as bytes here and sent by the user (user.py).
 """
@@ -23,12 +26,14 @@ from llmchaos.stack.tokens import make_text
 
 __all__ = [
     "BAD_TOKEN_KINDS",
+    "LengthLaw",
     "RequestSpec",
     "Tenant",
     "TrafficModel",
     "TrafficSpec",
     "check_bad_tokens",
     "load_tenants",
+    "parse_length",
 ]
 
 BAD_TOKEN_KINDS = ("mixed", "revoked", "unknown")
@@ -59,6 +64,53 @@ class TrafficSpec:
     stream_share: float = 0.3
     bad_token_share: float = 0.0
     bad_tokens: str = "mixed"
+    prompt_tokens: str | None = None
+    """A length law (parse_length) for the user prompt; None: the Zipf-like law above."""
+    output_tokens: str | None = None
+    """A length law for max_tokens; None: log-normal around output_median_tokens."""
+    ignore_eos: bool = False
+    """Send vLLM's `ignore_eos: true`, so a real model produces exactly max_tokens."""
+
+
+@dataclass(frozen=True)
+class LengthLaw:
+    """Token counts drawn from a fixed, uniform or normal law (see the module docstring)."""
+
+    kind: str
+    a: int
+    b: int = 0
+
+    def draw(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return self.a
+        if self.kind == "uniform":
+            return rng.randint(self.a, self.b)
+        return max(1, min(round(rng.gauss(self.a, self.b)), 4 * self.a))
+
+
+def parse_length(text: str, flag: str) -> LengthLaw:
+    """`N`, `uniform:LO:HI` or `normal:MEAN:SD` (token counts >= 1).
+
+    Raises InvalidInput naming `flag`, the value and the expected forms.
+    """
+    parts = text.split(":")
+    try:
+        numbers = [int(p) for p in parts[1:]] if len(parts) > 1 else [int(parts[0])]
+    except ValueError:
+        numbers = []
+    kind = "fixed" if len(parts) == 1 else parts[0]
+    shapes = {"fixed": 1, "uniform": 2, "normal": 2}
+    if kind in shapes and len(numbers) == shapes[kind] and numbers[0] >= 1:
+        if kind == "fixed":
+            return LengthLaw("fixed", numbers[0])
+        if kind == "uniform" and numbers[1] >= numbers[0]:
+            return LengthLaw("uniform", numbers[0], numbers[1])
+        if kind == "normal" and numbers[1] >= 0:
+            return LengthLaw("normal", numbers[0], numbers[1])
+    raise InvalidInput(
+        f"{flag}: expected N, uniform:LO:HI (1 <= LO <= HI) or normal:MEAN:SD (MEAN >= 1, "
+        f"SD >= 0), token counts as integers; got {text!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -128,18 +180,29 @@ class TrafficModel:
         self._valid = [t for t in tenants or [] if not t.revoked]
         self._revoked = [t for t in tenants or [] if t.revoked]
         self._ratio = (spec.prompt_min_tokens / spec.prompt_max_tokens) ** spec.prompt_alpha
-        self._content: dict[int, bytes] = {}
-        context = make_text(spec.context_tokens, offset=7)
-        self._prefix = (
-            b'{"model":'
-            + json.dumps(spec.model).encode()
-            + b',"messages":[{"role":"system","content":"'
-            + context.encode()
-            + b'"},{"role":"user","content":"'
+        self._prompt_law = (
+            None
+            if spec.prompt_tokens is None
+            else parse_length(spec.prompt_tokens, "--prompt-tokens")
         )
+        self._output_law = (
+            None
+            if spec.output_tokens is None
+            else parse_length(spec.output_tokens, "--output-tokens")
+        )
+        self._content: dict[int, bytes] = {}
+        model = b'{"model":' + json.dumps(spec.model).encode() + b',"messages":['
+        system = b""
+        if spec.context_tokens > 0:
+            context = make_text(spec.context_tokens, offset=7).encode()
+            system = b'{"role":"system","content":"' + context + b'"},'
+        self._prefix = model + system + b'{"role":"user","content":"'
+        self._options = b',"ignore_eos":true' if spec.ignore_eos else b""
 
     def prompt_tokens(self) -> int:
-        """A user-prompt length from the truncated Pareto law (inverse CDF)."""
+        """A user-prompt length: the configured law, else the truncated Pareto law."""
+        if self._prompt_law is not None:
+            return self._prompt_law.draw(self._rng)
         u = self._rng.random()
         x = self.spec.prompt_min_tokens * (1.0 - u * (1.0 - self._ratio)) ** (
             -1.0 / self.spec.prompt_alpha
@@ -147,7 +210,10 @@ class TrafficModel:
         return min(int(x), self.spec.prompt_max_tokens)
 
     def output_tokens(self) -> int:
-        """A max_tokens value, log-normal around the median, within 1..output_max_tokens."""
+        """A max_tokens value: the configured law, else log-normal around the median, within
+        1..output_max_tokens."""
+        if self._output_law is not None:
+            return self._output_law.draw(self._rng)
         x = self._rng.lognormvariate(
             math.log(self.spec.output_median_tokens), self.spec.output_sigma
         )
@@ -180,7 +246,14 @@ class TrafficModel:
         max_tokens = self.output_tokens()
         stream = self._rng.random() < self.spec.stream_share
         tail = b',"stream":true,"stream_options":{"include_usage":true}}' if stream else b"}"
-        body = self._prefix + content + b'"}],"max_tokens":' + str(max_tokens).encode() + tail
+        body = (
+            self._prefix
+            + content
+            + b'"}],"max_tokens":'
+            + str(max_tokens).encode()
+            + self._options
+            + tail
+        )
         tenant, auth = self._tenant()
         trace_id = self._rng.getrandbits(128) or 1
         span_id = self._rng.getrandbits(64) or 1

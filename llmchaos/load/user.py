@@ -26,6 +26,7 @@ from locust.exception import StopUser
 from llmchaos.load.client import Client, Exchange
 from llmchaos.load.config import LoadConfig
 from llmchaos.load.profiles import build_profile
+from llmchaos.load.responses import Answer
 from llmchaos.load.schedule import ArrivalSchedule
 from llmchaos.load.timeline import Recorder
 from llmchaos.load.traffic import TrafficModel, TrafficSpec, load_tenants
@@ -169,6 +170,9 @@ def _traffic_spec(config: LoadConfig) -> TrafficSpec:
         stream_share=config.stream_share,
         bad_token_share=config.bad_token_share,
         bad_tokens=config.bad_tokens,
+        prompt_tokens=config.prompt_tokens,
+        output_tokens=config.output_tokens,
+        ignore_eos=config.ignore_eos,
     )
 
 
@@ -181,6 +185,7 @@ class _Sender:
         self.stats_events = stats_events
         self.traffic = traffic
         self.recorder = Recorder()
+        self.goodput = config.goodput_slo
         host, port, self.path = split_url(config.url)
         self.host_header = f"{host}:{port}"
         self.client = Client(host, port, config.timeout_s, self._done)
@@ -191,23 +196,24 @@ class _Sender:
         exchange = Exchange(sec, due, spec.tenant, spec.stream)
         self.client.request(request_head(self.path, self.host_header, spec) + spec.body, exchange)
 
-    def _done(
-        self,
-        ex: Exchange,
-        outcome: str,
-        mode: str | None,
-        ttft_ms: float | None,
-        tokens_per_s: float | None,
-        now: float,
-    ) -> None:
+    def _done(self, ex: Exchange, answer: Answer, mode: str | None, now: float) -> None:
         latency_ms = (now - ex.due) * 1000.0
+        outcome = answer.outcome
+        good = (
+            outcome == "ok"
+            and self.goodput.defined
+            and self.goodput.met(latency_ms, answer.ttft_ms, answer.tpot_ms)
+        )
         self.recorder.finished(
             ex.sec,
             outcome,
             latency_ms,
             now - WORKER.start_mono,
-            ttft_ms=ttft_ms,
-            tokens_per_s=tokens_per_s,
+            ttft_ms=answer.ttft_ms,
+            itl_ms=answer.itl_ms,
+            tpot_ms=answer.tpot_ms,
+            output_tokens=answer.output_tokens,
+            good=good,
             mode=mode,
             tenant=ex.tenant,
         )

@@ -70,6 +70,45 @@ def _probe_rows(journal: dict[str, Any] | None, values: dict[str, Any]) -> str:
     return f"<table>{head}{''.join(rows)}</table>"
 
 
+_LATENCIES = (
+    ("latency_ms", "end to end"),
+    ("ttft_ms", "TTFT (first non-empty content chunk)"),
+    ("itl_ms", "ITL (gap between content chunks)"),
+    ("tpot_ms", "TPOT ((e2e - TTFT) / (tokens - 1))"),
+)
+
+
+def _load_table(load: dict[str, Any] | None) -> str:
+    """The load's own figures: rates over the time it ran, latency quantiles in ms."""
+    if not load:
+        return "<p class=muted>no load summary</p>"
+    quantiles = ("p50", "p90", "p99", "p999")
+    head = "<tr><th>ms, from the scheduled send</th>" + "".join(
+        f"<th>{q}</th>" for q in ("p50", "p90", "p99", "p99.9")
+    )
+    rows = "".join(
+        f"<tr><th>{html.escape(title)}</th>"
+        + "".join(f"<td>{_cell((load.get(name) or {}).get(q))}</td>" for q in quantiles)
+        + "</tr>"
+        for name, title in _LATENCIES
+    )
+    goodput = load.get("goodput_qps")
+    rates = (
+        f"achieved {_cell(load.get('achieved_qps'))} QPS, goodput {_cell(goodput)} QPS, "
+        f"{_cell(load.get('output_tokens_per_s'))} output tokens/s over the "
+        f"{_cell(load.get('ran_s'))} s the load ran"
+    )
+    return f"<p>{html.escape(rates)}</p><table>{head}</tr>{rows}</table>"
+
+
+def _cell(value: Any) -> str:
+    return (
+        "-"
+        if value is None
+        else html.escape(f"{value:g}" if isinstance(value, float) else str(value))
+    )
+
+
 def render_html(
     result: RunResult,
     journal: dict[str, Any] | None,
@@ -112,9 +151,12 @@ def render_html(
 <style>{_STYLE}</style></head><body>
 <h1>{html.escape(r.title)} <span class="badge {r.verdict}">{r.verdict.upper()}</span></h1>
 <p class=muted>{html.escape(r.experiment)} · {html.escape(r.run_dir)}</p>
+{f"<p><strong>Report {html.escape(r.rebuilt)}.</strong></p>" if r.rebuilt else ""}
 {f"<ul>{reasons}</ul>" if reasons else ""}
 <table>{figures}</table>
 {chart}
+<h2>Load</h2>
+{_load_table(r.load)}
 <h2>Faults</h2>
 <table><tr><th>at</th><th>fault</th><th>target</th><th>state</th></tr>{faults}</table>
 <h2>Steady-state probes</h2>

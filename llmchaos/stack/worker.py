@@ -2,9 +2,11 @@
 
     python -m llmchaos.stack.worker --settings PATH     (WorkerSettings JSON, see write_settings)
 
-Endpoints: POST /v1/chat/completions (plain and SSE), GET /v1/models, GET /healthz (503
-`loading` for `profile.load_s` after start, the port already listening), GET /metrics (vLLM's
-metric names), GET /gpu/processes (nvidia-smi's view: this process holds the GPU). Every
+Endpoints: POST /v1/chat/completions and /v1/completions (plain and SSE, vLLM's shapes: see
+generation.py), GET /v1/models, GET /healthz (503 `loading` for `profile.load_s` after start,
+the port already listening), GET /health (vLLM's: 200 empty once ready, 503 while loading),
+GET /version, GET /metrics (vLLM's metric names), GET /gpu/processes (nvidia-smi's view: this
+process holds the GPU). Every
 response carries `X-Serving-Mode` and `X-Worker`; every error is an OpenAI error body, never a
 traceback. SIGTERM or SIGINT: stop listening, abort what runs, exit 0 within about a second.
 """
@@ -39,10 +41,21 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from llmchaos.errors import InvalidInput, StackError
-from llmchaos.stack.engine import Engine, EngineStopped, SequenceResult, check_profile
-from llmchaos.stack.openai_api import ApiError, ChatRequest, error_response, parse_chat_request
+from llmchaos.stack.engine import Engine, EngineStopped, Sequence, SequenceResult, check_profile
+from llmchaos.stack.generation import ChoicePlan, StreamChunks, completion_body, plan_choices
+from llmchaos.stack.openai_api import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    MAX_BODY_BYTES,
+    VERSION,
+    ApiError,
+    GenerationRequest,
+    OpenAIAppRunner,
+    error_response,
+    http_error,
+    parse_generation_request,
+)
 from llmchaos.stack.settings import WorkerSettings, load_settings
-from llmchaos.stack.tokens import count_tokens, make_text
 
 __all__ = ["main", "make_app", "serve"]
 
@@ -171,7 +184,7 @@ def make_app(settings: WorkerSettings) -> web.Application:
 
     Raises InvalidInput (at startup) for an engine profile the engine cannot run.
     """
-    app = web.Application(middlewares=[_openai_errors], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
     app.on_startup.append(lambda app: _start(app, settings))
     app.on_shutdown.append(_stop)
     headers = {"X-Serving-Mode": settings.profile.mode, "X-Worker": settings.name}
@@ -181,8 +194,11 @@ def make_app(settings: WorkerSettings) -> web.Application:
 
     app.on_response_prepare.append(add_headers)
     app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/gpu/processes", _gpu_processes)
     return app
@@ -216,14 +232,9 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        error = ApiError(
-            exc.status,
-            f"{request.method} {request.path}: {exc.reason}",
-            code=exc.reason.lower().replace(" ", "_"),
-        )
+        error = http_error(exc, request)
         request.app[_WORKER].metrics.count_error(error)
-        allow = exc.headers.get("Allow")  # the one header of aiohttp's worth keeping (405)
-        return error_response(error, headers={"Allow": allow} if allow else None)
+        return error_response(error)
     except Exception:
         log.exception("unexpected error in %s %s", request.method, request.path)
         error = ApiError(500, "internal error in the engine worker", type="internal_server_error")
@@ -232,6 +243,14 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     worker = request.app[_WORKER]
     left_s = worker.loading_left_s()
     if left_s > 0:
@@ -242,25 +261,46 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             code="model_loading",
             headers={"Retry-After": str(max(1, round(left_s)))},
         )
-    chat = parse_chat_request(await request.read(), (worker.settings.model,))
-    prompt_tokens = count_tokens(chat.prompt_text)
+    generation = parse_generation_request(await request.read(), (worker.settings.model,), chat)
+    prompt_tokens = generation.prompt_tokens
+    max_tokens = _max_tokens(worker, generation, max(prompt_tokens))
+    plans = plan_choices(generation, max_tokens)
+    seqs: list[Sequence] = []
+    try:
+        for plan in plans:
+            prompt = prompt_tokens[plan.prompt_index]
+            seqs.append(worker.engine.submit(prompt, plan.tokens, stream=generation.stream))
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{worker.settings.name}-{seqs[0].seq_id}"
+        if generation.stream:
+            return await _stream(request, worker, generation, request_id, plans, seqs)
+        return await _complete(worker, generation, request_id, plans, seqs)
+    except EngineStopped:
+        raise _stopping(worker) from None
+    finally:
+        for seq in seqs:
+            seq.abort()  # no-op once done; a vanished client must not keep its KV
+
+
+def _max_tokens(worker: _Worker, generation: GenerationRequest, prompt_tokens: int) -> int:
+    """The request's max_tokens, or the endpoint's default within the context window.
+
+    Raises ApiError 400 `context_length_exceeded` when prompt and output do not fit.
+    """
     limit = worker.settings.profile.max_model_len
-    requested = prompt_tokens + chat.max_tokens
+    default = DEFAULT_MAX_TOKENS if generation.chat else DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens = generation.max_tokens or max(1, min(default, limit - prompt_tokens))
+    requested = prompt_tokens + max_tokens
     if requested > limit:
+        where = "messages" if generation.chat else "prompt"
         raise ApiError(
             400,
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{requested} tokens ({prompt_tokens} in the messages, {chat.max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion.",
+            f"{requested} tokens ({prompt_tokens} in the {where}, {max_tokens} in the "
+            f"completion). Please reduce the length of the {where} or completion.",
             code="context_length_exceeded",
-            param="messages",
+            param=where,
         )
-    try:
-        if chat.stream:
-            return await _stream(request, worker, chat, prompt_tokens)
-        return await _complete(worker, chat, prompt_tokens)
-    except EngineStopped:
-        raise _stopping(worker) from None
+    return max_tokens
 
 
 def _stopping(worker: _Worker) -> ApiError:
@@ -272,85 +312,79 @@ def _stopping(worker: _Worker) -> ApiError:
     )
 
 
-def _usage(result: SequenceResult) -> dict[str, int]:
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
-    }
-
-
-async def _complete(worker: _Worker, chat: ChatRequest, prompt_tokens: int) -> web.Response:
-    seq = worker.engine.submit(prompt_tokens, chat.max_tokens)
-    try:
-        result = await seq
-    finally:
-        seq.abort()  # no-op once done; frees the KV if this handler is cancelled
-    if result.finish_reason == "abort":
+async def _complete(
+    worker: _Worker,
+    generation: GenerationRequest,
+    request_id: str,
+    plans: list[ChoicePlan],
+    seqs: list[Sequence],
+) -> web.Response:
+    results = [await seq for seq in seqs]
+    if any(r.finish_reason == "abort" for r in results):
         raise _stopping(worker)
-    worker.metrics.observe(result)
-    body = {
-        "id": f"chatcmpl-{worker.settings.name}-{seq.seq_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": chat.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": make_text(result.completion_tokens)},
-                "logprobs": None,
-                "finish_reason": "length",
-            }
-        ],
-        "usage": _usage(result),
-    }
+    for result in results:
+        worker.metrics.observe(result)
+    body = completion_body(
+        generation,
+        request_id,
+        plans,
+        sum(generation.prompt_tokens),
+        sum(r.completion_tokens for r in results),
+    )
     return web.Response(body=json.dumps(body).encode(), content_type="application/json")
 
 
 async def _stream(
-    request: web.Request, worker: _Worker, chat: ChatRequest, prompt_tokens: int
+    request: web.Request,
+    worker: _Worker,
+    generation: GenerationRequest,
+    request_id: str,
+    plans: list[ChoicePlan],
+    seqs: list[Sequence],
 ) -> web.StreamResponse:
-    seq = worker.engine.submit(prompt_tokens, chat.max_tokens, stream=True)
-    head = {
-        "id": f"chatcmpl-{worker.settings.name}-{seq.seq_id}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": chat.model,
-    }
-
-    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return b"data: " + json.dumps({**head, "choices": choices, **extra}).encode() + b"\n\n"
-
+    chunks = StreamChunks(generation, request_id, sum(generation.prompt_tokens))
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
+    events: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+
+    async def follow(k: int) -> None:
+        async for n_tokens in seqs[k].tokens():
+            events.put_nowait((k, n_tokens))
+        events.put_nowait((k, 0))  # this sequence is over
+
+    followers = [asyncio.ensure_future(follow(k)) for k in range(len(seqs))]
+    sent = [0] * len(seqs)
     try:
         await response.prepare(request)
-        await response.write(event([{"index": 0, "delta": {"role": "assistant", "content": ""}}]))
-        sent = 0
-        async for n_tokens in seq.tokens():
-            # A leading space between chunks keeps the joined text at one word per token.
-            text = make_text(n_tokens, sent) if sent == 0 else " " + make_text(n_tokens, sent)
-            sent += n_tokens
-            await response.write(event([{"index": 0, "delta": {"content": text}}]))
-        result = await seq
-        if result.finish_reason == "abort":
+        open_seqs, started = len(seqs), False
+        while open_seqs:
+            k, n_tokens = await events.get()
+            if n_tokens == 0:
+                open_seqs -= 1
+                continue
+            out = b""
+            if not started:  # vLLM's role chunks come with the first engine output
+                out, started = chunks.first(plans), True
+            out += chunks.tokens(plans[k], sent[k], sent[k] + n_tokens, request_id)
+            sent[k] += n_tokens
+            if out:
+                await response.write(out)
+        results = [await seq for seq in seqs]
+        if any(r.finish_reason == "abort" for r in results):
             await response.write(b"data: " + json.dumps(_stopping(worker).body()).encode())
             await response.write(b"\n\n" + _SSE_DONE)
             return response
-        worker.metrics.observe(result)
-        usage = _usage(result)
-        await response.write(
-            event([{"index": 0, "delta": {}, "finish_reason": "length"}], usage=usage)
-        )
-        if chat.include_usage:
-            await response.write(event([], usage=usage))
-        await response.write(_SSE_DONE)
+        for result in results:
+            worker.metrics.observe(result)
+        tail = chunks.usage(sum(sent)) if generation.include_usage else b""
+        await response.write(tail + _SSE_DONE)
         await response.write_eof()
     except ConnectionResetError:
-        log.debug("client of sequence %d went away mid-stream", seq.seq_id)
+        log.debug("client of %s went away mid-stream", request_id)
     finally:
-        seq.abort()  # no-op once done; a vanished client must not keep its KV
+        for follower in followers:
+            follower.cancel()
     return response
 
 
@@ -364,6 +398,16 @@ async def _models(request: web.Request) -> web.Response:
         "max_model_len": worker.settings.profile.max_model_len,
     }
     return web.json_response({"object": "list", "data": [model]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    """vLLM's liveness route: 200 with an empty body once the model serves (vLLM only
+    listens then), 503 while it loads."""
+    return web.Response(status=503 if request.app[_WORKER].loading_left_s() > 0 else 200)
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": VERSION})
 
 
 async def _healthz(request: web.Request) -> web.Response:
@@ -413,7 +457,7 @@ async def serve(settings: WorkerSettings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(
+    runner = OpenAIAppRunner(
         make_app(settings),
         handle_signals=False,
         access_log=None,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import csv
+import json
+from pathlib import Path
 from typing import Any
 
 from llmchaos.report.summary import verdict_of
@@ -65,3 +68,37 @@ def test_unmet_before_state_guard_and_interruption_each_fail() -> None:
         "interrupted by SIGINT"
     ]
     assert verdict_of(None, None)[0] == "fail"
+
+
+def test_the_report_shows_the_load_s_stream_timings_and_rates(tmp_path: Path) -> None:
+    from llmchaos.load.aggregate import Aggregate
+    from llmchaos.load.timeline import Recorder, merge_report
+    from llmchaos.report import RunFacts, write_run_report
+    from llmchaos.settings import RunSettings
+
+    agg = Aggregate(start_epoch_s=1_000_000.0, duration_s=2.0, target_qps=2.0, goodput=True)
+    rec = Recorder()
+    for sec in (0, 1):
+        rec.scheduled(sec)
+        rec.launched()
+        rec.finished(
+            sec, "ok", 500.0, sec + 0.5, ttft_ms=120.0, itl_ms=[20.0, 30.0], tpot_ms=25.0,
+            output_tokens=3, good=True, mode="gpu",
+        )  # fmt: skip
+    merge_report(agg.seconds, agg.ok_slots, rec.take_report(None, final=True))
+    timeline = tmp_path / "timeline.jsonl"
+    timeline.write_text("".join(json.dumps(agg.line(s, agg.seconds[s])) + "\n" for s in (0, 1)))
+    facts = RunFacts(
+        name="x", title="X", run_dir=tmp_path, settings=RunSettings(), qps_run=2.0, faults=[],
+        load_start_ts=1_000_000.0, timeline_path=timeline, load_summary=agg.summary(),
+        frame_drops_since_fault=None, guard=None, interrupted_because=None, notes=[],
+        started_at=1_000_000.0,
+    )  # fmt: skip
+    write_run_report(facts, None)
+    rows = list(csv.DictReader((tmp_path / "timeline.csv").open()))
+    assert [r["ttft_p99_ms"] for r in rows] == ["120.0", "120.0"]
+    assert rows[0]["tpot_p99_ms"] and rows[0]["itl_p99_ms"]
+    page = (tmp_path / "report.html").read_text()
+    assert "TPOT ((e2e - TTFT) / (tokens - 1))" in page and "goodput 1 QPS" in page
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["load"]["goodput_qps"] == 1.0 and summary["load"]["itl_ms"]["p50"]

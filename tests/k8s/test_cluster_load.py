@@ -1,7 +1,7 @@
 """Locust workers in the cluster (llmchaos.cluster_load, KubernetesBackend.*_load_workers) on
 the real control plane: the Deployment of deploy/70-locust.yaml created through the API, sized
 to the rate, scaled, deleted; recorded in the ledger, so a run killed with kill -9 leaves
-nothing once `llmchaos cleanup` (abandon_dead_runs) has run."""
+nothing once `llmchaos cleanup` (finish_dead_runs) has run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 from llmchaos.backends.kubernetes import KubernetesBackend
 from llmchaos.cluster_load import start_cluster_load, worker_deployment
 from llmchaos.errors import InvalidInput, StackError
-from llmchaos.run import ChaosRun, abandon_dead_runs
+from llmchaos.run import ChaosRun, finish_dead_runs
 from llmchaos.settings import RunSettings
 from tests.k8s.controlplane import DEPLOY, DeployedStack
 from tests.k8s.controlplane import NAMESPACE as NS
@@ -136,7 +136,7 @@ def test_a_killed_runs_load_workers_are_deleted_by_cleanup(
         owner.wait(10)
     (ledger,) = runs.glob("*/ledger.jsonl")
     assert '"cluster_load"' in ledger.read_text()
-    lines = abandon_dead_runs(runs)
+    lines = finish_dead_runs(runs).lines
     assert any("cluster_load(locust-worker): undone by cleanup" in line for line in lines), lines
     deployed.wait(lambda: not deployed.pod_names(WORKERS), 30, "workers deleted")
     assert "locust-worker" not in [

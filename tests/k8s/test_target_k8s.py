@@ -20,7 +20,7 @@ from chaoslib.configuration import load_configuration
 from conftest import REPO, StackFactory, chaos_run
 from llmchaos.backends.kubernetes import KubernetesBackend
 from llmchaos.faults import kill_gpu_process, partition_node
-from llmchaos.run import ChaosRun, abandon_dead_runs, planned_target
+from llmchaos.run import ChaosRun, finish_dead_runs, planned_target
 from llmchaos.settings import RunSettings
 from llmchaos.stack.topology import Topology, read_agent_state
 from llmchaos.validation import check_experiment
@@ -80,7 +80,7 @@ def test_the_catalogues_names_map_to_the_clusters(deployed: DeployedStack) -> No
     for name in ("gpu_kill", "node_partition", "gateway_crash", "gpu_kill_all"):
         experiment = json.loads((REPO / "experiments" / f"{name}.json").read_text())
         configuration = load_configuration(experiment["configuration"])
-        assert check_experiment(experiment, configuration, info) == [], name
+        assert check_experiment(experiment, configuration, info, settings) == [], name
 
 
 def test_faults_go_through_the_cluster_and_a_dead_runs_are_undone_by_cleanup(
@@ -109,7 +109,7 @@ def test_faults_go_through_the_cluster_and_a_dead_runs_are_undone_by_cleanup(
         data = json.loads((run.run_dir / "run.json").read_text())
         data["pid"], data["pid_start_ticks"] = 999_999, -1
         (run.run_dir / "run.json").write_text(json.dumps(data))
-        lines = abandon_dead_runs(tmp_path / "runs")
+        lines = finish_dead_runs(tmp_path / "runs").lines
         assert any(f"partition_node({node_b}): undone by cleanup" in line for line in lines), lines
         assert not run.ledger.open_faults()
         assert k8s_policies(deployed) == []

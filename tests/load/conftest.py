@@ -1,4 +1,5 @@
-"""Test targets for the load: the fake OpenAI server as a child process, always stopped."""
+"""Test targets for the load: the fake OpenAI server (or the scripted reference server) as a
+child process, always stopped."""
 
 from __future__ import annotations
 
@@ -27,11 +28,10 @@ class FakeServer:
 def fake_server(tmp_path: Path) -> Iterator[Callable[..., FakeServer]]:
     started: list[FakeServer] = []
 
-    def start(*args: str) -> FakeServer:
+    def start(*args: str, module: str = "tests.load.fake_server") -> FakeServer:
         port_file = tmp_path / f"port{len(started)}"
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.load.fake_server", "--port-file", str(port_file), *args],
-            cwd=REPO,
+            [sys.executable, "-m", module, "--port-file", str(port_file), *args], cwd=REPO
         )
         deadline = time.monotonic() + 15
         while not port_file.exists():

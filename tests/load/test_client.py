@@ -17,12 +17,13 @@ import gevent
 import pytest
 
 from llmchaos.load.client import SWEEP_S, Client, Exchange
+from llmchaos.load.responses import Answer
 
 REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n{}"
 BODY = b'{"choices": [{"message": {"content": "ok"}}]}'
 OK = b"HTTP/1.1 200 OK\r\nX-Serving-Mode: gpu\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
 CLOSE, HANG = "close", "hang"
-Answer = bytes | list[bytes]
+Script = bytes | list[bytes]
 Outcome = tuple[str, str | None, float | None, float | None, float]
 
 
@@ -31,7 +32,7 @@ class ScriptedServer:
     between them), then maybe CLOSE (the connection) or HANG (until the client closes it).
     Counts connections and their ends."""
 
-    def __init__(self, steps: list[tuple[Answer, str | None]]) -> None:
+    def __init__(self, steps: list[tuple[Script, str | None]]) -> None:
         self.steps = steps
         self.lock = threading.Lock()
         self.accepted = 0
@@ -90,10 +91,10 @@ class ScriptedServer:
 
 
 @pytest.fixture
-def server() -> Iterator[Callable[[list[tuple[Answer, str | None]]], ScriptedServer]]:
+def server() -> Iterator[Callable[[list[tuple[Script, str | None]]], ScriptedServer]]:
     started: list[ScriptedServer] = []
 
-    def start(steps: list[tuple[Answer, str | None]]) -> ScriptedServer:
+    def start(steps: list[tuple[Script, str | None]]) -> ScriptedServer:
         s = ScriptedServer(steps)
         started.append(s)
         return s
@@ -107,16 +108,8 @@ class Results:
     def __init__(self) -> None:
         self.done: list[Outcome] = []
 
-    def __call__(
-        self,
-        ex: Exchange,
-        outcome: str,
-        mode: str | None,
-        ttft_ms: float | None,
-        tokens_per_s: float | None,
-        now: float,
-    ) -> None:
-        self.done.append((outcome, mode, ttft_ms, tokens_per_s, now - ex.due))
+    def __call__(self, ex: Exchange, answer: Answer, mode: str | None, now: float) -> None:
+        self.done.append((answer.outcome, mode, answer.ttft_ms, answer.tpot_ms, now - ex.due))
 
 
 def exchange(
@@ -198,7 +191,7 @@ def test_timeout_closes_the_connection_and_never_reuses_it(server):
         client.close()
 
 
-def test_chunked_sse_stream_gives_ttft_and_tokens_per_s(server):
+def test_chunked_sse_stream_gives_ttft_and_tpot(server):
     tok = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
     events = [tok, tok, b'data: {"usage": {"completion_tokens": 3}}\n\n', b"data: [DONE]\n\n"]
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
@@ -206,9 +199,10 @@ def test_chunked_sse_stream_gives_ttft_and_tokens_per_s(server):
     s = server([(head + chunks, None)])
     client, results = make_client(s.port)
     try:
-        outcome, mode, ttft_ms, _, elapsed_s = exchange(client, results, stream=True)
+        outcome, mode, ttft_ms, tpot_ms, elapsed_s = exchange(client, results, stream=True)
         assert (outcome, mode) == ("ok", "cpu")
         assert ttft_ms is not None and 0 < ttft_ms <= elapsed_s * 1000.0
+        assert tpot_ms is not None and 0 <= tpot_ms <= elapsed_s * 1000.0
     finally:
         client.close()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +14,7 @@ import urllib.request
 import pytest
 
 from llmchaos.cli import main
-from llmchaos.load import LoadConfig, LoadRun
+from llmchaos.load import LoadConfig, LoadRun, Summary
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +105,8 @@ def test_cli_run_writes_summary_and_timeline(fake_server, tmp_path, capsys):
             str(timeline_path),
             "--run-dir",
             str(tmp_path / "run"),
+            *("--stream-share", "0.5", "--prompt-tokens", "uniform:4:8", "--context-tokens", "0"),
+            *("--output-tokens", "4", "--ignore-eos", "--goodput", "ttft:2000", "e2el:2000"),
         ]
     )
     assert code == 0
@@ -113,18 +117,54 @@ def test_cli_run_writes_summary_and_timeline(fake_server, tmp_path, capsys):
         "failed",
         "dropped",
         "achieved_qps",
+        "goodput_qps",
+        "output_tokens_per_s",
+        "ran_s",
         "schedule_lag_p99_ms",
-        "latency_ms",
-        "ttft_ms",
         "frame_drops",
     ):
         assert key in summary
-    assert set(summary["latency_ms"]) == {"p50", "p90", "p99", "p999"}
+    for key in ("latency_ms", "ttft_ms", "itl_ms", "tpot_ms"):
+        assert set(summary[key]) == {"p50", "p90", "p99", "p999"}
+        assert summary[key]["p50"] is not None, key  # the fake server streams 4 tokens
     assert summary["scheduled"] == summary["ok"] == 120
+    assert summary["goodput_qps"] == summary["achieved_qps"] == 40.0  # all fast
+    assert summary["ran_s"] == 3 and not summary["stopped_early"]
     lines = [json.loads(x) for x in timeline_path.read_text().splitlines()]
     assert [x["t"] for x in lines] == [0, 1, 2]
     assert all(x["scheduled"] == 40 for x in lines)
     assert json.loads(capsys.readouterr().out)["ok"] == 120
+
+
+@pytest.mark.parametrize(("how", "workers"), [("stop", 1), ("sigterm", 1), ("sigterm", 2)])
+def test_a_load_ended_early_reports_rates_over_the_time_it_ran(fake_server, tmp_path, how, workers):
+    """A 60 s schedule ended after ~2 s, by the control (stop) or by SIGTERM to the process
+    group: the summary is written and its rates divide by the seconds that ran (and were
+    reported), not by the 60 planned."""
+    server = fake_server()
+    config = LoadConfig(
+        url=server.url,
+        qps=50,
+        duration_s=60.0,
+        profile="constant",
+        workers=workers,
+        run_dir=str(tmp_path / "run"),
+        drain_s=2.0,
+        goodput_e2e_ms=5000.0,
+    )
+    with LoadRun.start(config) as run:
+        start = run.wait_started()
+        time.sleep(max(0.0, start + 2.0 - time.time()))
+        if how == "stop":
+            summary = run.stop(timeout_s=20.0)
+        else:
+            os.killpg(run.process.pid, signal.SIGTERM)
+            run.process.wait(timeout=20.0)
+            summary = Summary.read(run.summary_path)
+    assert summary.stopped_early and 0.9 <= summary.ran_s < 5.0, summary.ran_s
+    assert summary.achieved_qps == pytest.approx(50, rel=0.15), summary
+    assert summary.goodput_qps == pytest.approx(summary.achieved_qps, rel=0.05)
+    assert summary.frame_drops == 0  # the planned rest of the schedule is not a gap
 
 
 def test_locust_web_ui_is_served_during_an_open_loop_run(fake_server, tmp_path):

@@ -123,7 +123,12 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def token_db(tmp_path: Path) -> Path:
     """The token table with TOKENS, in WAL mode as the stack seeds it."""
-    path = tmp_path / "tokens.sqlite"
+    return write_token_db(tmp_path)
+
+
+def write_token_db(folder: Path) -> Path:
+    """`folder`/tokens.sqlite with TOKENS, in WAL mode as the stack seeds it."""
+    path = folder / "tokens.sqlite"
     with contextlib.closing(sqlite3.connect(path)) as db, db:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(

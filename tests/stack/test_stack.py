@@ -12,17 +12,20 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 import redis
 from openai import OpenAI
 
+from llmchaos.processes import pid_alive
 from llmchaos.stack import netns
 from llmchaos.stack.cleanup import cleanup, leftovers
-from llmchaos.stack.procs import find_stack_processes, http_get_status, pid_alive
+from llmchaos.stack.procs import find_stack_processes, http_get_status
 from llmchaos.stack.stack import restart_gateway
-from llmchaos.stack.topology import Topology, read_agent_state
+from llmchaos.stack.tokens import make_text
+from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
 from tests.stack.stack_client import Reply, Traffic, chat, valid_token
 
 pytestmark = pytest.mark.slow
@@ -93,6 +96,71 @@ def test_openai_client_plain_and_streaming_through_haproxy(stack: Topology) -> N
     usage = [c.usage for c in chunks if c.usage]
     assert len(text.split()) == 6
     assert usage and usage[-1].completion_tokens == 6
+
+
+def test_openai_client_completions_n_stop_and_a_tool_call_round_trip(stack: Topology) -> None:
+    client = OpenAI(
+        base_url=f"{stack.gateway_url}/v1", api_key=valid_token(stack), max_retries=0, timeout=8
+    )
+    plain = client.completions.create(model=stack.model, prompt="one two three", max_tokens=4)
+    assert plain.choices[0].finish_reason == "length" and len(plain.choices[0].text.split()) == 4
+    assert plain.usage is not None and plain.usage.prompt_tokens == 3
+    chunks = list(
+        client.completions.create(
+            model=stack.model,
+            prompt="one two three",
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices).split() == make_text(5).split()
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+    several = client.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=3
+    )
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]
+    stopped = client.chat.completions.create(
+        model=stack.model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=10,
+        stop=["serves"],
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == "the model "
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"query": {"type": "string"}},
+                    "required": ["query"],
+                },
+            },
+        }
+    ]
+    messages: list[Any] = [{"role": "user", "content": "look it up"}]
+    called = client.chat.completions.create(
+        model=stack.model,
+        messages=messages,
+        max_tokens=20,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+    )
+    call = called.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert call.function.name == "lookup" and "query" in json.loads(call.function.arguments)
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "found it"},
+    ]
+    answer = client.chat.completions.create(
+        model=stack.model, messages=messages, max_tokens=4, tools=tools
+    )
+    assert answer.choices[0].finish_reason == "length" and answer.choices[0].message.content
 
 
 def test_bad_input_gets_openai_errors(stack: Topology) -> None:
@@ -249,7 +317,8 @@ def _flush_and_burst(topology: Topology, tokens: list[str], requests: int) -> tu
 
     Returns (Redis misses, SQLite lookups) that the burst caused.
     """
-    client = redis.Redis.from_url(topology.redis_url)
+    password = read_secrets(Path(topology.state_dir)).redis_password
+    client = redis.Redis.from_url(topology.redis_url, password=password)
     for key in client.scan_iter("token:*"):
         client.delete(key)
     before = _gateway_counter(topology, _MISSES), _gateway_counter(topology, _LOOKUPS)
@@ -320,7 +389,7 @@ def test_stack_down_leaves_nothing(stack_factory) -> None:  # type: ignore[no-un
     assert find_stack_processes(topology.stack_id)
     stop_stack(topology)
     left = leftovers(topology.stack_id)
-    assert left.empty, left.lines()
+    assert left.empty, left.summary()
     assert Topology.load(Path(topology.state_dir)).status == "stopped"
 
 
@@ -328,7 +397,7 @@ def test_cleanup_after_kill_9_leaves_nothing(stack_factory) -> None:  # type: ig
     topology = stack_factory()
     for pid in find_stack_processes(topology.stack_id):
         os.kill(pid, signal.SIGKILL)
-    report = cleanup(Path(topology.state_dir).parent, topology.stack_id)
+    report = cleanup(Path(topology.state_dir).parent, [topology.stack_id])
     assert topology.stack_id in report.stacks_marked_stopped
     left = leftovers(topology.stack_id)
-    assert left.empty, left.lines()
+    assert left.empty, left.summary()

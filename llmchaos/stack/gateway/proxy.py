@@ -74,10 +74,10 @@ class Proxy:
         )
 
     async def forward(
-        self, request: web.Request, body: bytes, stream: bool, tenant: str
+        self, request: web.Request, path: str, body: bytes, stream: bool, tenant: str
     ) -> tuple[web.StreamResponse, str]:
-        """Proxy one request; returns the response sent and the serving mode ("none" if no
-        worker answered).
+        """Proxy one request to `path` of a worker; returns the response sent and the serving
+        mode ("none" if no worker answered).
 
         Raises ApiError 503 `no_healthy_upstream` when no worker can be tried, 502/504 when
         every attempt failed without an answer.
@@ -85,7 +85,9 @@ class Proxy:
         headers = {"Content-Type": "application/json", "X-Tenant": tenant}
         for name in _PASSED_HEADERS:
             value = request.headers.get(name)
-            if value is not None:
+            # a value aiohttp could not send again (non-ASCII, bytes it decoded as surrogates)
+            # is dropped: tracing is the client's option, not a reason to fail its request
+            if value is not None and value.isascii() and value.isprintable():
                 headers[name] = value
         tried: list[Worker] = []
         failure: _AttemptFailed | None = None
@@ -98,7 +100,7 @@ class Proxy:
             tried.append(worker)
             worker.outstanding += 1
             try:
-                response = await self._attempt(request, worker, body, headers, stream)
+                response = await self._attempt(request, worker, path, body, headers, stream)
             except _AttemptFailed as exc:
                 self._pool.eject(worker, exc.reason)
                 self._metrics.upstream_failures.labels(worker=worker.name, reason=exc.reason).inc()
@@ -128,6 +130,7 @@ class Proxy:
         self,
         request: web.Request,
         worker: Worker,
+        path: str,
         body: bytes,
         headers: dict[str, str],
         stream: bool,
@@ -135,7 +138,7 @@ class Proxy:
         try:
             async with asyncio.timeout(self._first_byte_timeout_s):
                 upstream = await self._session.post(
-                    worker.chat_url, data=body, headers=headers, timeout=self._timeout
+                    worker.urls[path], data=body, headers=headers, timeout=self._timeout
                 )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _AttemptFailed(_failure_reason(exc)) from None

@@ -43,6 +43,7 @@ from collections.abc import Collection
 import aiohttp
 from yarl import URL
 
+from llmchaos.stack.openai_api import CHAT_PATH, COMPLETIONS_PATH
 from llmchaos.stack.settings import GatewaySettings, UpstreamWorker
 
 __all__ = ["Worker", "WorkerPool"]
@@ -56,7 +57,6 @@ class Worker:
     __slots__ = (
         "_queue_ratio",
         "capacity",
-        "chat_url",
         "check_timeouts",
         "ejected_at",
         "ejected_until",
@@ -66,6 +66,7 @@ class Worker:
         "name",
         "outstanding",
         "ready",
+        "urls",
     )
 
     def __init__(self, upstream: UpstreamWorker, queue_ratio: float) -> None:
@@ -73,7 +74,8 @@ class Worker:
         self.name = upstream.name
         self.mode: str = upstream.mode
         # parsed once: aiohttp would parse a str URL on every request
-        self.chat_url = URL(base + "/v1/chat/completions")
+        self.urls = {path: URL(base + path) for path in (CHAT_PATH, COMPLETIONS_PATH)}
+        """The worker's generation routes by API path."""
         self.health_url = URL(base + "/healthz")
         self.outstanding = 0
         self.ready = False

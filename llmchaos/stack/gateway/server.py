@@ -1,10 +1,12 @@
 """The gateway's HTTP side: handlers, error handling and the process's lifecycle.
 
-Routes: POST /v1/chat/completions, GET /v1/models (both need a bearer token), GET /healthz
-(200 whenever the gateway runs, with healthy worker counts: it is what HAProxy checks, and a
-gateway is not broken because its workers are) and GET /metrics. Every response carries
-`X-Gateway`; responses a worker answered carry `X-Serving-Mode` and `X-Worker`. Errors are
-OpenAI error bodies, never a traceback.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (these need a bearer
+token), GET /healthz (200 whenever the gateway runs, with healthy worker counts: it is what
+HAProxy checks, and a gateway is not broken because its workers are), GET /health and
+GET /version (vLLM's: 200 with an empty body; the version) and GET /metrics. Every response
+carries `X-Gateway`; responses a worker answered carry `X-Serving-Mode` and `X-Worker`. Errors
+are OpenAI error bodies with a code, never a traceback: a client's mistake (body, header,
+type, encoding, malformed HTTP) is always a 4xx (openai_api.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import sqlite3
 import time
 
@@ -24,7 +27,17 @@ from llmchaos.stack.gateway.auth import TokenAuthenticator, TokenDb
 from llmchaos.stack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from llmchaos.stack.gateway.proxy import Proxy
 from llmchaos.stack.gateway.routing import WorkerPool
-from llmchaos.stack.openai_api import ApiError, error_response, parse_chat_request
+from llmchaos.stack.openai_api import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    MAX_BODY_BYTES,
+    VERSION,
+    ApiError,
+    OpenAIAppRunner,
+    error_response,
+    http_error,
+    parse_generation_request,
+)
 from llmchaos.stack.settings import GatewaySettings
 
 __all__ = ["Gateway"]
@@ -35,6 +48,8 @@ _SHUTDOWN_TIMEOUT_S = 0.15
 """Grace for in-flight requests at stop; short, since HAProxy retries on the other gateway."""
 _CLIENT_CLOSED_STATUS = 499
 """Status recorded (never sent) for a request whose client went away, as nginx logs it."""
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
+"""RFC 6750's b64token: anything else (spaces, non-ASCII, undecodable bytes) is no token."""
 
 
 class Gateway:
@@ -46,7 +61,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.pool)
         self._db = TokenDb(settings, self.metrics)
         self._auth = TokenAuthenticator(settings, self._db, self.metrics)
-        self._models = frozenset(settings.models)
+        self._models = tuple(settings.models)
         self._models_body = {
             "object": "list",
             "data": [
@@ -76,13 +91,16 @@ class Gateway:
         # a first round before listening, so a fresh gateway does not 503 for one interval
         await self.pool.check_all(self._session)
         self._health_task = asyncio.create_task(self.pool.run_health_checks(self._session))
-        app = web.Application(middlewares=[self._guard])
-        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post(CHAT_PATH, self._chat_completions)
+        app.router.add_post(COMPLETIONS_PATH, self._completions)
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
         app.on_response_prepare.append(self._add_gateway_header)
-        self._runner = web.AppRunner(
+        self._runner = OpenAIAppRunner(
             app,
             access_log=None,
             handler_cancellation=True,  # a client that goes away cancels its upstream request
@@ -114,16 +132,27 @@ class Gateway:
         self._db.close()
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CHAT_PATH)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, COMPLETIONS_PATH)
+
+    async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
         started_s = time.perf_counter()
         mode = "none"
         status = 500
         try:
             tenant = await self._authenticate(request)
-            body = await request.read()
-            chat = parse_chat_request(body, self._models)
+            try:
+                body = await request.read()
+            except web.HTTPException as exc:  # over client_max_size: 413
+                raise http_error(exc, request) from None
+            generation = parse_generation_request(body, self._models, path == CHAT_PATH)
             self._admit()
             assert self._proxy is not None
-            response, mode = await self._proxy.forward(request, body, chat.stream, tenant)
+            response, mode = await self._proxy.forward(
+                request, path, body, generation.stream, tenant
+            )
             status = response.status
             return response
         except ApiError as exc:
@@ -147,6 +176,12 @@ class Gateway:
             raise ApiError(
                 401,
                 "Missing bearer token: send 'Authorization: Bearer <token>'",
+                code="invalid_api_key",
+            )
+        if not _TOKEN.fullmatch(token):
+            raise ApiError(
+                401,
+                "Malformed bearer token: a token is letters, digits and -._~+/ (RFC 6750)",
                 code="invalid_api_key",
             )
         try:
@@ -188,6 +223,12 @@ class Gateway:
         await self._authenticate(request)
         return web.json_response(self._models_body)
 
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -214,8 +255,7 @@ class Gateway:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            code = "not_found" if exc.status == 404 else None
-            return error_response(ApiError(exc.status, f"{exc.reason}: {request.path}", code=code))
+            return error_response(http_error(exc, request))
         except Exception:
             log.exception("unexpected error in %s %s", request.method, request.path)
             return error_response(
