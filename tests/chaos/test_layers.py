@@ -22,6 +22,7 @@ RUN_LAYER = (
     "llmchaos.settings",
     "llmchaos.ledger",
     "llmchaos.analysis",
+    "llmchaos.cluster_load",
 )
 """The run layer of llmchaos: what backends, the stack and the load must not know."""
 
