@@ -57,10 +57,12 @@ from llmchaos.errors import ComponentNotReady, InvalidInput, StackError
 from llmchaos.targets import Target, TargetInfo, TargetSettings, WorkerRef
 
 __all__ = [
+    "LOAD_WORKER_QPS",
     "PROTECTED_NAMESPACES",
     "KubernetesBackend",
     "KubernetesSettings",
     "check_settings",
+    "load_workers_for",
     "parse_selector",
     "selector_matches",
 ]
@@ -150,6 +152,13 @@ class KubernetesSettings(TargetSettings):
     cluster that needs longer is itself a finding."""
     poll_interval_s: float = 1.0
     """Readiness polling period, s (the readiness probes themselves run every few seconds)."""
+    load_workers_manifest: str | None = None
+    """A YAML file holding the Locust worker Deployment (deploy/70-locust.yaml's
+    `locust-worker`): for rates above `local_max_qps` it is created in the namespace, one
+    replica per 2,500 QPS, and deleted at the run's end. None: all load from this machine."""
+    local_max_qps: float = 5000.0
+    """Highest rate sent from this machine, QPS (two Locust processes held 4,992 of 5,000 QPS
+    here: llmchaos/load/README.md); above it the load workers run in the cluster."""
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -267,9 +276,12 @@ def check_settings(settings: KubernetesSettings) -> None:
         value = getattr(settings, field)
         if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise InvalidInput(f"{field}: expected a positive number of seconds, got {value!r}")
-    if not settings.partition_label or "=" in settings.partition_label:
+    if not isinstance(settings.partition_label, str) or not _valid_label_key(
+        settings.partition_label
+    ):
         raise InvalidInput(
-            f"partition_label: expected a label key such as llmchaos.io/partitioned, got "
+            f"partition_label: expected a label key such as llmchaos.io/partitioned ([prefix/]"
+            f"name: a name of at most 63 letters, digits, '-', '_', '.'), got "
             f"{settings.partition_label!r}"
         )
 
@@ -283,6 +295,17 @@ _LABEL_KEY = re.compile(
     r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
 )
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+
+
+def _valid_label_key(key: str) -> bool:
+    """A label key as the API server accepts it: [prefix/]name, name at most 63 characters,
+    prefix a DNS subdomain of at most 253."""
+    prefix, _, name = key.rpartition("/")
+    return bool(_LABEL_KEY.fullmatch(key)) and len(name) <= 63 and len(prefix) <= 253
+
+
+def _valid_label_value(value: str) -> bool:
+    return bool(_LABEL_VALUE.fullmatch(value)) and len(value) <= 63
 
 
 def parse_selector(selector: str, field: str = "selector") -> list[Requirement]:
@@ -320,7 +343,7 @@ def parse_selector(selector: str, field: str = "selector") -> list[Requirement]:
         else:
             requirements.append((part, "exists", frozenset()))
         key, _, values = requirements[-1]
-        if not _LABEL_KEY.fullmatch(key) or not all(_LABEL_VALUE.fullmatch(v) for v in values):
+        if not _valid_label_key(key) or not all(_valid_label_value(v) for v in values):
             raise InvalidInput(
                 f"{field}: cannot parse {part!r} in label selector {selector!r} (expected "
                 f"key=value, key!=value, key in (a,b), key notin (a,b), key or !key)"
@@ -438,8 +461,9 @@ _T = TypeVar("_T")
 class KubernetesBackend(Target):
     """The inference stack in one namespace of a cluster; see the module docstring."""
 
-    UNDO_OPS: ClassVar[frozenset[str]] = Target.UNDO_OPS | {"uncordon_node"}
-    """heal_partition, restore_gateway, and uncordon_node (undoes cordon_node/drain_node)."""
+    UNDO_OPS: ClassVar[frozenset[str]] = Target.UNDO_OPS | {"uncordon_node", "stop_load_workers"}
+    """heal_partition, restore_gateway, uncordon_node (undoes cordon_node/drain_node) and
+    stop_load_workers (undoes start_load_workers)."""
 
     def __init__(self, settings: KubernetesSettings, api_client: k8s.ApiClient | None = None):
         """Connect lazily: building the client reads the kubeconfig, it sends no request.
@@ -607,11 +631,17 @@ class KubernetesBackend(Target):
             except ValueError:
                 status = {"status": "Failure", "message": status_text.strip()}
             if status.get("status") != "Success":
-                causes = (status.get("details") or {}).get("causes") or [{}]
-                code = causes[0].get("message", "?")
+                # A kubelet names the exit code in a cause; other runtimes (kwok) only say
+                # why in the message.
+                causes = (status.get("details") or {}).get("causes") or []
+                code = next(
+                    (c.get("message") for c in causes if c.get("reason") == "ExitCode"), None
+                )
+                verdict = f"exit code {code}" if code else str(status.get("message") or "failed")
+                output = stderr.strip()
                 raise StackError(
-                    f"kubernetes: {what} {self._pod_ref(pod)}: exit code {code}: "
-                    f"{(stderr.strip() or status.get('message') or 'no output')[:300]}"
+                    f"kubernetes: {what} {self._pod_ref(pod)}: {verdict[:300]}"
+                    + (f": {output[:300]}" if output and output not in verdict else "")
                 )
         return stdout
 
@@ -820,7 +850,8 @@ class KubernetesBackend(Target):
 
     def restore_gateway(self, gateway: str) -> None:
         """Nothing to start (the Deployment recreates the pod): wait until the gateway
-        Deployment has all its replicas ready, at most ready_timeout_s. Idempotent.
+        Deployment has all its replicas ready, in its status and as Ready gateway pods, at
+        most ready_timeout_s. Idempotent.
 
         Raises ComponentNotReady past the deadline.
         """
@@ -831,13 +862,17 @@ class KubernetesBackend(Target):
         deadline = time.monotonic() + self.settings.ready_timeout_s
         while True:
             ready, desired = self._deployment_ready(name, "gateway_deployment")
-            if ready >= desired:
+            # The Deployment's status lags the pods: right after a crash it still counts the
+            # deleted pod as ready. The pods themselves say whether a replacement is Ready.
+            pods = sum(1 for p in self._role_pods("gateway") if _pod_ready(p))
+            if min(ready, pods) >= desired:
                 return
             if time.monotonic() >= deadline:
                 raise ComponentNotReady(
-                    f"kubernetes: gateway deployment {self.namespace}/{name}: {ready}/{desired} "
-                    f"replicas ready after {self.settings.ready_timeout_s:g} s "
-                    f"(ready_timeout_s) since {gateway} was restored"
+                    f"kubernetes: gateway deployment {self.namespace}/{name}: "
+                    f"{min(ready, pods)}/{desired} replicas ready after "
+                    f"{self.settings.ready_timeout_s:g} s (ready_timeout_s) since {gateway} "
+                    f"was restored"
                 )
             time.sleep(self.settings.poll_interval_s)
 
@@ -1080,6 +1115,102 @@ class KubernetesBackend(Target):
                 )
         return result
 
+    # -- beyond Backend: load in the cluster ---------------------------------------------
+    def start_load_workers(self, deployment: Mapping[str, Any], qps: float) -> dict[str, Any]:
+        """Create the Locust worker Deployment `deployment` (deploy/70-locust.yaml's
+        `locust-worker`) in the namespace, sized to `qps`: one replica per LOAD_WORKER_QPS.
+        Labelled as llmchaos's; one left by an earlier attempt is scaled instead.
+        Returns {"deployment", "replicas"}; undo with stop_load_workers(deployment)."""
+        name = str(deployment.get("metadata", {}).get("name") or "")
+        if deployment.get("kind") != "Deployment" or not name:
+            raise InvalidInput(
+                "load workers: expected a Deployment with a name (deploy/70-locust.yaml's "
+                f"locust-worker), got kind {deployment.get('kind')!r} named {name!r}"
+            )
+        replicas = load_workers_for(qps)
+        body = json.loads(json.dumps(dict(deployment)))  # a copy to change
+        metadata = body["metadata"]
+        metadata["namespace"] = self.namespace
+        metadata["labels"] = {**metadata.get("labels", {}), **MANAGED_BY}
+        body["spec"]["replicas"] = replicas
+        if self.settings.dry_run:
+            return self._plan("start_load_workers", deployment=name, replicas=replicas)
+        try:
+            self._apps.create_namespaced_deployment(
+                self.namespace, body, _request_timeout=self.settings.request_timeout_s
+            )
+        except ApiException as exc:
+            if _http_status(exc) != 409:
+                raise self._error("create", f"deployment {self.namespace}/{name}", exc) from None
+            self._own_load_workers(name)  # 409: there already: ours (a retry) is resized
+            self.scale_load_workers(name, qps)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise StackError(
+                f"kubernetes: create deployment {self.namespace}/{name} failed: cannot reach "
+                f"the API server at {self._api.configuration.host}: {exc}"
+            ) from None
+        log.info("load workers: deployment %s/%s, %d replica(s)", self.namespace, name, replicas)
+        return {"deployment": name, "replicas": replicas}
+
+    def scale_load_workers(self, deployment: str, qps: float) -> int:
+        """Resize the load worker Deployment to `qps`; returns the replicas."""
+        replicas = load_workers_for(qps)
+        if self.settings.dry_run:
+            self._plan("scale_load_workers", deployment=deployment, replicas=replicas)
+            return replicas
+        self._call(
+            "scale",
+            f"deployment {self.namespace}/{deployment} to {replicas}",
+            self._apps.patch_namespaced_deployment,
+            deployment,
+            self.namespace,
+            {"spec": {"replicas": replicas}},
+            _content_type="application/merge-patch+json",
+            missing=f"deployment: no load worker deployment {deployment!r} in {self.namespace}",
+        )
+        return replicas
+
+    def stop_load_workers(self, deployment: str) -> None:
+        """Delete the load worker Deployment (its pods go with it), when llmchaos made it.
+        Idempotent: one already gone is nothing to undo."""
+        if self.settings.dry_run:
+            self._plan("stop_load_workers", deployment=deployment)
+            return
+        if self._own_load_workers(deployment, missing_ok=True) is None:
+            return
+        self._call(
+            "delete",
+            f"deployment {self.namespace}/{deployment}",
+            self._apps.delete_namespaced_deployment,
+            deployment,
+            self.namespace,
+            propagation_policy="Background",
+            missing_ok=True,
+        )
+
+    def _own_load_workers(self, deployment: str, missing_ok: bool = False) -> Any:
+        """The Deployment, when it carries llmchaos's label; None when gone (missing_ok).
+        Raises StackError for one llmchaos did not create: it is never resized or deleted."""
+        found = self._call(
+            "read",
+            f"deployment {self.namespace}/{deployment}",
+            self._apps.read_namespaced_deployment,
+            deployment,
+            self.namespace,
+            missing=f"deployment: no load worker deployment {deployment!r} in {self.namespace}",
+            missing_ok=missing_ok,
+        )
+        if found is None:
+            return None
+        labels = found.metadata.labels or {}
+        if not MANAGED_BY.items() <= labels.items():
+            raise StackError(
+                f"kubernetes: deployment {self.namespace}/{deployment} exists and was not made "
+                f"by llmchaos (no label app.kubernetes.io/managed-by=llmchaos): it is left as "
+                f"is; delete it, or leave load_workers_manifest unset to use it as it is"
+            )
+        return found
+
     # -- beyond Backend: readings --------------------------------------------------------
     def pod_recovery_times(self, selector: str, since_ts: float) -> dict[str, list[dict[str, Any]]]:
         """Recovery of pods created at or after `since_ts` (epoch s, e.g. the kill) matching
@@ -1162,6 +1293,17 @@ class KubernetesBackend(Target):
         allocatable = (found.status.allocatable if found.status else None) or {}
         value = allocatable.get(self.settings.gpu_resource)
         return int(parse_quantity(value)) if value is not None else 0
+
+
+LOAD_WORKER_QPS = 2500
+"""What one Locust worker process sends open loop (llmchaos/load/README.md: ~2,500 QPS)."""
+
+
+def load_workers_for(qps: float) -> int:
+    """Locust worker replicas for `qps`: one per LOAD_WORKER_QPS, at least one."""
+    if not isinstance(qps, int | float) or not math.isfinite(qps) or qps <= 0:
+        raise InvalidInput(f"qps: expected a positive rate, got {qps!r}")
+    return max(1, math.ceil(qps / LOAD_WORKER_QPS))
 
 
 def _load_api_client(settings: KubernetesSettings) -> k8s.ApiClient:

@@ -24,6 +24,7 @@ RUN_LAYER = (
     "llmchaos.gameday",
     "llmchaos.settings",
     "llmchaos.analysis",
+    "llmchaos.cluster_load",
 )
 """The run layer of llmchaos: what the targets, the stack and the load must not know."""
 TARGET_INSIDES = (
