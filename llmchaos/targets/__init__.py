@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from llmchaos.configuration import build_settings, settings_from_record, settings_keys
 from llmchaos.errors import InvalidInput
-from llmchaos.ledger import FaultLedger
+from llmchaos.ledger import FaultLedger, Undo
 from llmchaos.processes import Owner
 
 __all__ = [
@@ -253,6 +253,17 @@ class Target(ABC):
         `node`, `rescheduling_time_s` (death until restarted), `readiness_time_s` (restarted
         until ready) and `total_recovery_time_s`. None when the target cannot tell."""
         return None
+
+    def plan_load_workers(self, qps: float) -> tuple[str, Undo] | None:
+        """The load workers this target runs itself for a rate of `qps` (a cluster's own
+        Locust workers, for rates beyond the runner's machine): their name and the undo that
+        removes them, known before they are started (the ledger's order); None when the run's
+        machine sends the whole rate."""
+        return None
+
+    def run_load_workers(self, qps: float) -> dict[str, Any]:
+        """Start the load workers `plan_load_workers` named; returns what was started."""
+        raise InvalidInput(f"{type(self).__name__}: this target runs no load workers")
 
     def undo(self, op: str, args: dict[str, Any]) -> None:
         """Run undo operation `op`; raises InvalidInput for anything not in UNDO_OPS."""

@@ -44,7 +44,7 @@ import redis
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from llmchaos.backends.kubernetes import KubernetesBackend, KubernetesSettings
+from llmchaos.targets.kubernetes import KubernetesSettings, KubernetesTarget
 
 from .controlplane import NAMESPACE, ControlPlane, DeployedStack, bin_dir, missing_binaries
 
@@ -342,12 +342,12 @@ def cluster(emulator: Emulator, kubeconfig: Path) -> Iterator[k8s.ApiClient]:
         api.close()
 
 
-def _backend_factory(**defaults: Any) -> Iterator[Callable[..., KubernetesBackend]]:
-    """make(**overrides) -> KubernetesBackend with `defaults`; all closed at the end."""
-    made: list[KubernetesBackend] = []
+def _backend_factory(**defaults: Any) -> Iterator[Callable[..., KubernetesTarget]]:
+    """make(**overrides) -> KubernetesTarget with `defaults`; all closed at the end."""
+    made: list[KubernetesTarget] = []
 
-    def make(**overrides: Any) -> KubernetesBackend:
-        backend = KubernetesBackend(KubernetesSettings(**{**defaults, **overrides}))
+    def make(**overrides: Any) -> KubernetesTarget:
+        backend = KubernetesTarget(KubernetesSettings(**{**defaults, **overrides}))
         made.append(backend)
         return backend
 
@@ -360,7 +360,7 @@ def _backend_factory(**defaults: Any) -> Iterator[Callable[..., KubernetesBacken
 
 @pytest.fixture
 def make_backend(cluster: k8s.ApiClient, kubeconfig: Path) -> Iterator[Callable[..., Any]]:
-    """KubernetesBackend over the kubeconfig, with test-friendly timeouts."""
+    """KubernetesTarget over the kubeconfig, with test-friendly timeouts."""
     yield from _backend_factory(
         namespace=NS,
         allowed_namespaces=(NS,),
@@ -406,8 +406,8 @@ def deployed(control_plane: ControlPlane, tmp_path: Path) -> Iterator[DeployedSt
 
 
 @pytest.fixture
-def real_backend(deployed: DeployedStack) -> Iterator[Callable[..., KubernetesBackend]]:
-    """KubernetesBackend acting as deploy/10-rbac.yaml's service account."""
+def real_backend(deployed: DeployedStack) -> Iterator[Callable[..., KubernetesTarget]]:
+    """KubernetesTarget acting as deploy/10-rbac.yaml's service account."""
     yield from _backend_factory(
         namespace=NAMESPACE,
         allowed_namespaces=(NAMESPACE,),

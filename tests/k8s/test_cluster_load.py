@@ -1,4 +1,4 @@
-"""Locust workers in the cluster (llmchaos.cluster_load, KubernetesBackend.*_load_workers) on
+"""Locust workers in the cluster (ChaosRun.start_cluster_load, KubernetesTarget.*_load_workers) on
 the real control plane: the Deployment of deploy/70-locust.yaml created through the API, sized
 to the rate, scaled, deleted; recorded in the ledger, so a run killed with kill -9 leaves
 nothing once `llmchaos cleanup` (finish_dead_runs) has run."""
@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from llmchaos.backends.kubernetes import KubernetesBackend
-from llmchaos.cluster_load import start_cluster_load, worker_deployment
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.run import ChaosRun, finish_dead_runs
 from llmchaos.settings import RunSettings
+from llmchaos.targets.kubernetes import KubernetesTarget, worker_deployment
 from tests.k8s.controlplane import DEPLOY, DeployedStack
 from tests.k8s.controlplane import NAMESPACE as NS
 
 pytestmark = pytest.mark.slow
-Make = Callable[..., KubernetesBackend]
+Make = Callable[..., KubernetesTarget]
 MANIFEST = DEPLOY / "70-locust.yaml"
 WORKERS = "app.kubernetes.io/component=load-worker"
 
@@ -88,13 +87,12 @@ def test_the_manifest_must_hold_one_worker_deployment(tmp_path: Path) -> None:
 
 OWNER = """
 import os, sys, time
-from llmchaos.cluster_load import start_cluster_load
 from llmchaos.run import ChaosRun
 from llmchaos.settings import RunSettings
 settings = RunSettings.from_configuration({"runs_root": sys.argv[1]}, dict(os.environ))
 run = ChaosRun.open(settings, "cluster_load", "load workers in the cluster")
 run.start_target()
-print(start_cluster_load(run, float(sys.argv[2])), flush=True)
+print(run.start_cluster_load(float(sys.argv[2])), flush=True)
 time.sleep(600)
 """
 
@@ -136,7 +134,7 @@ def test_a_killed_runs_load_workers_are_deleted_by_cleanup(
         owner.wait(10)
     (ledger,) = runs.glob("*/ledger.jsonl")
     assert '"cluster_load"' in ledger.read_text()
-    lines = finish_dead_runs(runs).lines
+    lines = finish_dead_runs(runs)
     assert any("cluster_load(locust-worker): undone by cleanup" in line for line in lines), lines
     deployed.wait(lambda: not deployed.pod_names(WORKERS), 30, "workers deleted")
     assert "locust-worker" not in [
@@ -152,7 +150,7 @@ def test_no_workers_in_the_cluster_when_this_machine_sends_the_rate(
     run = ChaosRun.open(settings, "cluster_load", "below the local rate")
     try:
         run.start_target()
-        assert start_cluster_load(run, 5_000) is None
+        assert run.start_cluster_load(5_000) is None
         assert run.ledger.entries() == []
         assert json.loads((run.run_dir / "run.json").read_text())["pid"] == os.getpid()
     finally:

@@ -1,5 +1,5 @@
 """deploy/: the manifests parse, match the client's API schema, fit the backend's defaults,
-and the RBAC rules grant exactly what KubernetesBackend sends (on a real API server)."""
+and the RBAC rules grant exactly what KubernetesTarget sends (on a real API server)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from llmchaos.backends.kubernetes import KubernetesBackend, KubernetesSettings, parse_selector
-from llmchaos.backends.kubernetes import selector_matches as matches
-from llmchaos.cluster_load import worker_deployment
 from llmchaos.load.config import LoadConfig
 from llmchaos.stack.settings import GatewaySettings, settings_from_dict
+from llmchaos.targets.kubernetes import (
+    KubernetesSettings,
+    KubernetesTarget,
+    parse_selector,
+    worker_deployment,
+)
+from llmchaos.targets.kubernetes import selector_matches as matches
 
 from .conftest import NS
 from .controlplane import DeployedStack
@@ -242,7 +246,7 @@ def granted() -> set[tuple[str, str, str]]:
 @pytest.mark.slow
 def test_rbac_grants_exactly_the_verbs_the_backend_uses(
     deployed: DeployedStack,
-    real_backend: Callable[..., KubernetesBackend],
+    real_backend: Callable[..., KubernetesTarget],
     gpu_processes: Callable[[list[int]], str],
 ) -> None:
     """Every operation as deploy/10-rbac.yaml's service account on a real API server: none is
@@ -269,8 +273,6 @@ def test_rbac_grants_exactly_the_verbs_the_backend_uses(
         backend.queue_depth()
         backend.healthy_workers()
         backend.pod_recovery_times("app.kubernetes.io/component=engine-gpu", 0)
-        backend.available_replicas("gateway")
-        backend.gpu_allocatable("node-gpu-0")
         backend.drain_node("node-gpu-0")  # cordon + evictions
         backend.uncordon_node("node-gpu-0")
         deployed.apps.delete_namespaced_deployment("locust-worker", NS)  # deploy/'s, by hand

@@ -1,4 +1,4 @@
-"""KubernetesBackend against kmock (tests/k8s/conftest.py), for what a real API server cannot
+"""KubernetesTarget against kmock (tests/k8s/conftest.py), for what a real API server cannot
 be made to do on demand: ignore label selectors, answer /metrics through the pod proxy with
 scripted text (fake pods have no IP), carry scripted timestamps, have no Eviction API, fail
 with 500 or 409. Everything else runs against the real control plane (test_backend_real.py)."""
@@ -12,19 +12,21 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from llmchaos.backends import Backend
-from llmchaos.backends.kubernetes import (
-    KubernetesBackend,
+from llmchaos.errors import InvalidInput, StackError
+from llmchaos.ledger import FaultLedger, Undo
+from llmchaos.settings import RunSettings
+from llmchaos.targets import Target
+from llmchaos.targets.kubernetes import (
+    KIND,
     KubernetesSettings,
+    KubernetesTarget,
     parse_selector,
     selector_matches,
 )
-from llmchaos.errors import InvalidInput, StackError
-from llmchaos.ledger import FaultLedger, Undo
 
 from .conftest import NS, OTHER_NS, Emulator, pod
 
-Make = Callable[..., KubernetesBackend]
+Make = Callable[..., KubernetesTarget]
 POLICY = "llmchaos-partition-node-a"
 LABEL = "llmchaos.io/partitioned"
 
@@ -141,8 +143,8 @@ def test_drain_deletes_when_evictions_answer_404(make_backend: Make, emulator: E
     backend.uncordon_node("node-b")
     backend.uncordon_node("node-b")  # idempotent
     assert not core.read_node("node-b").spec.unschedulable
-    assert "uncordon_node" in KubernetesBackend.UNDO_OPS
-    assert frozenset({"heal_partition", "restore_gateway"}) == Backend.UNDO_OPS  # base: as is
+    assert "uncordon_node" in KubernetesTarget.UNDO_OPS
+    assert frozenset({"heal_partition", "restore_gateway"}) == Target.UNDO_OPS  # base: as is
 
     drained = backend.drain_node("node-a")
     # kmock has no Eviction API (404): the pods were deleted instead, and it says so
@@ -186,22 +188,24 @@ def test_allowlist_is_checked_again_by_the_backend(emulator: Emulator, kubeconfi
     # a caller bypassing the dataclass check (object.__setattr__) is still refused
     object.__setattr__(settings, "namespace", "kube-system")
     with pytest.raises(InvalidInput, match="namespace: 'kube-system'"):
-        KubernetesBackend(settings)
+        KubernetesTarget(settings)
     assert emulator.requests == []
 
 
-def test_settings_from_mapping():
-    settings = KubernetesSettings.from_mapping(
-        {"allowed_namespaces": "llmchaos, staging", "dry_run": "true", "metrics_port": "9000"}
+def test_settings_from_configuration_and_environment():
+    settings = KIND.settings(
+        {"k8s_allowed_namespaces": "llmchaos, staging", "k8s_dry_run": "true"},
+        {"LLMCHAOS_K8S_METRICS_PORT": "9000"},
     )
+    assert isinstance(settings, KubernetesSettings)
     assert settings.allowed_namespaces == ("llmchaos", "staging")
     assert settings.dry_run is True and settings.metrics_port == 9000
-    with pytest.raises(InvalidInput, match=r"allowed_namespace \(did you mean allowed_namespaces"):
-        KubernetesSettings.from_mapping({"allowed_namespace": ["llmchaos"]})
+    with pytest.raises(InvalidInput, match=r"configuration.k8s_allowed_namespace: not a setting"):
+        RunSettings.from_configuration({"target": "k8s", "k8s_allowed_namespace": ["llmchaos"]}, {})
     with pytest.raises(InvalidInput, match="gpu_selector: required"):
-        KubernetesSettings.from_mapping({"allowed_namespaces": ["llmchaos"], "gpu_selector": " "})
+        KIND.settings({"k8s_allowed_namespaces": ["llmchaos"], "k8s_gpu_selector": " "}, {})
     with pytest.raises(InvalidInput, match="kubeconfig: cannot load /nonexistent"):
-        KubernetesBackend(
+        KubernetesTarget(
             KubernetesSettings(allowed_namespaces=("llmchaos",), kubeconfig="/nonexistent")
         )
 
@@ -232,7 +236,7 @@ def test_unreachable_api_server(tmp_path: Path):
         ' "users": [{"name": "u", "user": {}}],'
         ' "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}'
     )
-    backend = KubernetesBackend(
+    backend = KubernetesTarget(
         KubernetesSettings(
             allowed_namespaces=("llmchaos",), kubeconfig=str(config), request_timeout_s=2
         )

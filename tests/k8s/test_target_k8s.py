@@ -18,12 +18,12 @@ import pytest
 from chaoslib.configuration import load_configuration
 
 from conftest import REPO, StackFactory, chaos_run
-from llmchaos.backends.kubernetes import KubernetesBackend
 from llmchaos.faults import kill_gpu_process, partition_node
 from llmchaos.run import ChaosRun, finish_dead_runs, planned_target
 from llmchaos.settings import RunSettings
 from llmchaos.stack.topology import Topology, read_agent_state
-from llmchaos.validation import check_experiment
+from llmchaos.targets.kubernetes import KubernetesTarget
+from llmchaos.validation import check_experiment, other_configuration_keys
 from tests.k8s.controlplane import NAMESPACE as NS
 from tests.k8s.controlplane import DeployedStack
 
@@ -80,6 +80,10 @@ def test_the_catalogues_names_map_to_the_clusters(deployed: DeployedStack) -> No
     for name in ("gpu_kill", "node_partition", "gateway_crash", "gpu_kill_all"):
         experiment = json.loads((REPO / "experiments" / f"{name}.json").read_text())
         configuration = load_configuration(experiment["configuration"])
+        env = _k8s_env(deployed.backend_kubeconfig)
+        settings = RunSettings.from_configuration(
+            configuration, env, other_keys=other_configuration_keys(experiment)
+        )
         assert check_experiment(experiment, configuration, info, settings) == [], name
 
 
@@ -101,7 +105,7 @@ def test_faults_go_through_the_cluster_and_a_dead_runs_are_undone_by_cleanup(
         assert mapping[killed["pod"]] == "gpu-0"
         assert killed["pid"] == before.workers["gpu-0"].pid  # the embedded worker's process
         backend = run.target
-        assert isinstance(backend, KubernetesBackend)
+        assert isinstance(backend, KubernetesTarget)
         node_b = backend.info().aliases["node-b"]  # the node of gpu-1
         assert partition_node(run, "node-b") == node_b
         assert k8s_policies(deployed) == [f"llmchaos-partition-{node_b}"]
@@ -109,7 +113,7 @@ def test_faults_go_through_the_cluster_and_a_dead_runs_are_undone_by_cleanup(
         data = json.loads((run.run_dir / "run.json").read_text())
         data["pid"], data["pid_start_ticks"] = 999_999, -1
         (run.run_dir / "run.json").write_text(json.dumps(data))
-        lines = finish_dead_runs(tmp_path / "runs").lines
+        lines = finish_dead_runs(tmp_path / "runs")
         assert any(f"partition_node({node_b}): undone by cleanup" in line for line in lines), lines
         assert not run.ledger.open_faults()
         assert k8s_policies(deployed) == []
