@@ -96,6 +96,8 @@ class TargetInfo:
     gateways: tuple[str, ...]
     partitions_supported: bool
     """False when nodes cannot be cut off (embedded stack without network namespaces)."""
+    drains_supported: bool = False
+    """True when nodes can be drained (cordoned, their pods evicted): a cluster."""
     aliases: dict[str, str] = field(default_factory=dict)
     """The embedded stack's names (gpu-0, node-a, primary) for this target's own ones (pod
     and node names), so the catalogue runs unchanged on a cluster."""
@@ -232,6 +234,12 @@ class Target(ABC):
     @abstractmethod
     def restore_gateway(self, gateway: str) -> None:
         """Start `gateway` again if it is not running and wait for it. Idempotent."""
+
+    def drain_node(self, node: str) -> dict[str, Any]:
+        """Cordon `node` and evict the stack's pods from it (undo: `uncordon_node`); returns
+        what was done, with "was_unschedulable" when it was cordoned before. InvalidInput on
+        targets without nodes to drain (TargetInfo.drains_supported)."""
+        raise InvalidInput(f"drain_node: {type(self).__name__} has no nodes to drain")
 
     @abstractmethod
     def expire_token_cache(self, ttl_s: float) -> int:

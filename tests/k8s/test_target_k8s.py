@@ -18,7 +18,7 @@ import pytest
 from chaoslib.configuration import load_configuration
 
 from conftest import REPO, StackFactory, chaos_run
-from llmchaos.faults import kill_gpu_process, partition_node
+from llmchaos.faults import drain_node, kill_gpu_process, partition_node
 from llmchaos.run import ChaosRun, finish_dead_runs, planned_target
 from llmchaos.settings import RunSettings
 from llmchaos.stack.topology import Topology, read_agent_state
@@ -109,14 +109,20 @@ def test_faults_go_through_the_cluster_and_a_dead_runs_are_undone_by_cleanup(
         node_b = backend.info().aliases["node-b"]  # the node of gpu-1
         assert partition_node(run, "node-b") == node_b
         assert k8s_policies(deployed) == [f"llmchaos-partition-{node_b}"]
-        # the owner dies with the partition in place: cleanup undoes it through the cluster
+        drained = drain_node(run, "node-b")
+        assert drained["node"] == node_b and not drained["was_unschedulable"]
+        assert deployed.core.read_node(node_b).spec.unschedulable
+        # the owner dies with the partition and the drain in place: cleanup undoes both
+        # through the cluster
         data = json.loads((run.run_dir / "run.json").read_text())
         data["pid"], data["pid_start_ticks"] = 999_999, -1
         (run.run_dir / "run.json").write_text(json.dumps(data))
         lines = finish_dead_runs(tmp_path / "runs")
         assert any(f"partition_node({node_b}): undone by cleanup" in line for line in lines), lines
+        assert any(f"drain_node({node_b}): undone by cleanup" in line for line in lines), lines
         assert not run.ledger.open_faults()
         assert k8s_policies(deployed) == []
+        assert not deployed.core.read_node(node_b).spec.unschedulable
     finally:
         run.stop_target()
         run.close("finished")

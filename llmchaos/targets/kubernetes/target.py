@@ -114,6 +114,7 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
             workers=workers,
             gateways=gateway_names,
             partitions_supported=True,
+            drains_supported=True,
             aliases=_embedded_aliases(workers, sorted(nodes), gateway_names),
         )
 
