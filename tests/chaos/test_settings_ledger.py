@@ -65,7 +65,7 @@ def test_embedded_qps_is_capped_and_cluster_qps_is_not() -> None:
         ({}, {"LLMCHAOS_QPS": "-5"}, "LLMCHAOS_QPS: expected a number > 0"),
         ({"variant": "shiny"}, {}, "unknown variant 'shiny'"),
         ({"sla": 45}, {}, "configuration.sla: not a setting; did you mean 'sla_s'?"),
-        ({"target": "mars"}, {}, "target: expected one of embedded, k8s, got 'mars'"),
+        ({"target": "mars"}, {}, "target: expected one of embedded, k8s"),
         ({"error_rate_slo": 2}, {}, "error_rate_slo: expected a number within 0..1"),
         ({"error_classes": "5xx,teapot"}, {}, "error_classes: unknown class(es) teapot"),
         ({"gpu_workers": 1.5}, {}, "configuration.gpu_workers: expected a whole number"),
