@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from hypothesis import settings as hypothesis_settings
 
 from llmchaos.runner import ExperimentOutcome
 from llmchaos.runner import run_experiment as run_chaos_experiment
+from llmchaos.signals import raise_on_interrupt
 from llmchaos.stack.config import StackConfig
 from llmchaos.stack.netns import check_netns_support
 from llmchaos.stack.stack import start_stack, stop_stack
@@ -55,6 +57,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.allure_report_dir = str(ALLURE_RESULTS)
         config.option.clean_alluredir = True  # this run's results, not every run's
     _set_basetemp(config)
+    # SIGTERM (a CI runner cancelling the job) ends the session like Ctrl-C: fixtures stop
+    # the stacks and runs they started instead of leaving them behind.
+    raise_on_interrupt()
 
 
 def _set_basetemp(config: pytest.Config) -> None:
@@ -109,6 +114,56 @@ def module_stack_factory(stack_state_root: Path) -> Iterator[StackFactory]:
 def stack_factory(stack_state_root: Path) -> Iterator[StackFactory]:
     """Start stacks for one test; all are stopped when it ends, pass or fail."""
     yield from _factory(stack_state_root)
+
+
+BUSY_LOOP = "import time\nend = time.monotonic() + 900\nwhile time.monotonic() < end: pass"
+"""A core kept busy for at most 15 minutes, even if nobody stops it."""
+REPEAT_ENV = "LLMCHAOS_INTERRUPT_REPEAT"
+"""How many times in a row the interrupt tests repeat each case (default 1; the README says
+how they were run 20 times with both cores busy)."""
+
+
+def repeat_count() -> int:
+    return max(1, int(os.environ.get(REPEAT_ENV, "1")))
+
+
+def interrupt_cases(phases: tuple[str, ...]) -> list[Any]:
+    """(signal, phase) cases of an interrupt test: every phase once, SIGINT and SIGTERM in
+    turn (the two take the same path; this keeps CI short), or both signals in every phase
+    when the tests are repeated (LLMCHAOS_INTERRUPT_REPEAT > 1)."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    if repeat_count() > 1:
+        cases = [(sig, phase) for phase in phases for sig in signals]
+    else:
+        cases = [(signals[i % 2], phase) for i, phase in enumerate(phases)]
+    return [pytest.param(sig, phase, id=f"{sig.name}-{phase}") for sig, phase in cases]
+
+
+def signal_and_wait(
+    proc: subprocess.Popen[str], sig: signal.Signals, timeout_s: float
+) -> tuple[str, str, float]:
+    """Send `sig` to `proc` and wait for it to end: (rest of its stdout, rest of its stderr,
+    seconds it took). Raises subprocess.TimeoutExpired when it does not end in time; the
+    caller kills it in its `finally`."""
+    proc.send_signal(sig)
+    sent = time.monotonic()
+    out, err = proc.communicate(timeout=timeout_s)
+    return out or "", err or "", time.monotonic() - sent
+
+
+@pytest.fixture
+def busy_cores() -> Iterator[None]:
+    """Every core kept busy by a spinning process while the test runs: signal and timing
+    code must work on a loaded machine, as CI and users' machines often are."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(os.cpu_count() or 2)
+    ]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 @pytest.fixture(scope="session")

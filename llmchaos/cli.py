@@ -6,13 +6,11 @@ Every subcommand returns an exit code; InvalidInput becomes one line on stderr a
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from types import FrameType
 
 from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.signals import raise_on_interrupt
 
 __all__ = ["main"]
 
@@ -32,16 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interrupt(signum: int, _frame: FrameType | None) -> None:
-    # SIGTERM takes the same path as Ctrl-C, so half-started stacks and runs are undone.
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
+    # SIGINT and SIGTERM both raise KeyboardInterrupt, so half-started stacks and runs are
+    # undone (see llmchaos.signals for why SIGINT is installed too).
+    raise_on_interrupt()
     try:
         return int(args.func(args))
     except InvalidInput as exc:

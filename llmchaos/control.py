@@ -15,10 +15,13 @@ Declare it once in the experiment:
 - after the experiment (and in cleanup_control, whatever happened): undo every fault left in
   the ledger, stop the load, write the report, stop the stack, print the summary.
 
-SIGTERM is turned into KeyboardInterrupt for the run (Chaos Toolkit's own handler raises an
-exception that a running probe would swallow), so SIGINT and SIGTERM both interrupt the
-experiment, roll back and come here. While the run is being undone and stopped, further
-SIGINT/SIGTERM are noted and ignored, so the cleanup itself is not cut short.
+SIGINT and SIGTERM are turned into KeyboardInterrupt from the first hook on (Chaos Toolkit's
+own SIGTERM handler raises an exception that a running probe would swallow, and a `chaos run`
+started in the background may have inherited SIGINT as ignored), so both interrupt the
+experiment in any phase, roll back and come here. From the first interrupt on, and while the
+run is being undone and stopped, further SIGINT/SIGTERM are noted and ignored, so the cleanup
+itself is not cut short. The run's phase is kept in run.json, so a run killed with SIGKILL
+can still be finished and reported by `llmchaos cleanup`.
 """
 
 from __future__ import annotations
@@ -34,19 +37,23 @@ from typing import Any
 
 from chaoslib.exceptions import InterruptExecution
 
+from llmchaos import signals
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.measure import window_error_rate
-from llmchaos.report import RunFacts, write_run_report
+from llmchaos.redact import redact
+from llmchaos.report import write_run_report
 from llmchaos.report.summary import hypothesis_outcome
 from llmchaos.run import ChaosRun, planned_target
 from llmchaos.settings import RunSettings
-from llmchaos.validation import check_experiment
+from llmchaos.validation import check_experiment, other_configuration_keys
 
 __all__ = [
     "after_experiment_control",
     "after_hypothesis_control",
     "before_experiment_control",
+    "before_hypothesis_control",
     "before_method_control",
+    "before_rollback_control",
     "cleanup_control",
 ]
 
@@ -60,7 +67,6 @@ class _Session:
 
     def __init__(self) -> None:
         self.run: ChaosRun | None = None
-        self.started_at = time.time()
         self.method_started = False
         self.guard_stop = threading.Event()
         self.guard_lock = threading.Lock()
@@ -74,14 +80,15 @@ class _Session:
 
 _session: _Session | None = None
 _saved_handlers: dict[int, Any] = {}
-_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+_HELD = (*signals.INTERRUPTS, signal.SIGUSR1)
 """Signals held off while a run is undone and stopped (SIGUSR1: a late safety-guard stop)."""
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
     name = signal.Signals(signum).name
     if _session is not None and _session.run is not None:
-        _session.run.interrupted_because = f"interrupted by {name}"
+        run = _session.run
+        run.interrupted_because = f"interrupted by {name} during {run.phase}"
     # the rollbacks and the cleanup come next: a second Ctrl-C must not cut them short
     _set_signals(_hold_signals, _HELD)
     raise KeyboardInterrupt(name)
@@ -95,20 +102,14 @@ def _hold_signals(signum: int, _frame: FrameType | None) -> None:
     )
 
 
-def _set_signals(handler: Any, signals: tuple[int, ...]) -> None:
-    """Install `handler`, remembering the handlers found first (signals: main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in signals:
-        previous = signal.signal(sig, handler)
+def _set_signals(handler: Any, which: tuple[int, ...]) -> None:
+    """Install `handler`, remembering the handlers found first, which the end restores."""
+    for sig, previous in signals.install(handler, which).items():
         _saved_handlers.setdefault(sig, previous)
 
 
 def _restore_signals() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig, handler in _saved_handlers.items():
-        signal.signal(sig, handler)
+    signals.restore(_saved_handlers)
     _saved_handlers.clear()
 
 
@@ -122,17 +123,22 @@ def before_experiment_control(
     """Check everything, then start the target, the load and the guard (see module doc)."""
     global _session
     _session = _Session()
+    _set_signals(_interrupt, signals.INTERRUPTS)
     title = str(context.get("title", "experiment"))
     # Chaos Toolkit swallows any other exception of a control and runs the experiment on
     # without it, so every failure here becomes an interruption.
     try:
-        settings = RunSettings.from_configuration(configuration)
-        problems = check_experiment(context, dict(configuration or {}), planned_target(settings))
+        settings = RunSettings.from_configuration(
+            configuration, other_keys=other_configuration_keys(context)
+        )
+        info = planned_target(settings)
+        problems = check_experiment(context, dict(configuration or {}), info, settings)
         if problems:
             raise InvalidInput("the experiment is invalid:\n  " + "\n  ".join(problems))
         run = ChaosRun.open(settings, name or title, title)
     except Exception as exc:
         _session = None
+        _restore_signals()  # nothing started: nothing for the finish to do
         what = str(exc) if isinstance(exc, LLMChaosError) else f"{type(exc).__name__}: {exc}"
         raise InterruptExecution(f"llmchaos: {what}") from None
     _session.run = run
@@ -141,16 +147,24 @@ def before_experiment_control(
             "runtime.rollbacks.strategy is not 'always': an interrupted run skips the "
             "experiment's rollbacks (this control still undoes every fault in the ledger)"
         )
-    _set_signals(_interrupt, (signal.SIGINT, signal.SIGTERM))
     try:
+        run.enter_phase("starting-target")
         run.start_target()
+        run.enter_phase("starting-load")
         run.start_load()
+        run.enter_phase("warming-up")
         run.warm_up()
     except Exception as exc:  # see above: the experiment must not go on without its target
         what = str(exc) if isinstance(exc, LLMChaosError) else f"{type(exc).__name__}: {exc}"
         run.interrupted_because = f"could not start the run: {what}"
         raise InterruptExecution(f"llmchaos: {run.interrupted_because}") from None
     _start_guard(run)
+
+
+def before_hypothesis_control(context: dict[str, Any], **kwargs: Any) -> None:
+    if _session is not None and _session.run is not None:
+        after = _session.method_started
+        _session.run.enter_phase("steady-state-after" if after else "steady-state-before")
 
 
 def after_hypothesis_control(
@@ -174,6 +188,13 @@ def after_hypothesis_control(
 def before_method_control(context: dict[str, Any], **kwargs: Any) -> None:
     if _session is not None:
         _session.method_started = True
+        if _session.run is not None:
+            _session.run.enter_phase("method")
+
+
+def before_rollback_control(context: dict[str, Any], **kwargs: Any) -> None:
+    if _session is not None and _session.run is not None:
+        _session.run.enter_phase("rollbacks")
 
 
 def after_experiment_control(
@@ -203,8 +224,10 @@ def _finish(journal: dict[str, Any] | None) -> None:
         states = (journal or {}).get("steady_states")
         if isinstance(states, dict) and not states.get("before") and session.before_state:
             states["before"] = session.before_state  # chaos writes the journal after us
+        if journal is not None:
+            journal.update(redact(journal))  # and its journal file without secrets
         if run is not None and not run.finished:
-            _finish_run(run, journal, session.started_at)
+            _finish_run(run, journal)
     finally:
         _session = None
         if run is not None and not run.finished:
@@ -228,38 +251,27 @@ def _frame_drops_since_fault(run: ChaosRun) -> int | None:
     return int(run.load.window(since_ts=first_fault)["frame_drops"])
 
 
-def _finish_run(run: ChaosRun, journal: dict[str, Any] | None, started_at: float) -> None:
+def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
     """Undo, stop the load, report, stop the target: each step whatever became of the last.
     The run is closed `finished`, or `faults-open` when an undo failed (llmchaos cleanup
     tries those again), or `failed` when another step did."""
+    if journal is not None:
+        _step("saving the journal", lambda: run.save_journal(journal))
+    run.enter_phase("undoing-faults")
     ok_undo, _ = _step("undoing the faults", lambda: run.undo_faults(by="control"))
     ok_drops, frame_drops = _step("reading frame drops", lambda: _frame_drops_since_fault(run))
+    run.enter_phase("stopping-load")
     ok_load, summary = _step("stopping the load", run.stop_load)
 
     def report() -> None:
-        result = write_run_report(
-            RunFacts(
-                name=run.name,
-                title=run.title,
-                run_dir=run.run_dir,
-                settings=run.settings,
-                qps_run=run.settings.effective_qps,
-                faults=run.faults(),
-                load_start_ts=run.load_start_ts,
-                timeline_path=run.load.timeline_path if run.load else None,
-                load_summary=summary.to_dict() if summary else None,
-                frame_drops_since_fault=frame_drops,
-                guard=run.aborted_by_guard,
-                interrupted_because=run.interrupted_because,
-                notes=run.notes,
-                started_at=started_at,
-            ),
-            journal,
-        )
+        result = write_run_report(run.facts(summary, frame_drops), journal)
         print(f"\nllmchaos summary\n{result.table()}\n", flush=True)
 
+    run.enter_phase("report")
     ok_report, _ = _step("writing the report", report)
+    run.enter_phase("stopping-target")
     ok_target, _ = _step("stopping the target", run.stop_target)
+    run.phase = "ended"
     if run.ledger.open_faults():
         run.close("faults-open")
     elif all((ok_undo, ok_drops, ok_load, ok_report, ok_target)):

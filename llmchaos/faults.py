@@ -12,7 +12,7 @@ from typing import Any
 from llmchaos.errors import InvalidInput
 from llmchaos.ledger import Undo
 from llmchaos.run import ChaosRun
-from llmchaos.settings import as_number
+from llmchaos.settings import argument_ranges
 
 __all__ = [
     "crash_gateway",
@@ -84,9 +84,7 @@ def expire_token_cache(run: ChaosRun, ttl_s: float = 0.0) -> int:
     """Delete every cached token (ttl_s = 0), or make them all expire in `ttl_s` seconds (the
     synchronized expiry of a fixed TTL after a mass token refresh). Nothing to undo: the
     cache refills. Returns the number of keys touched."""
-    ttl_s = as_number("ttl_s", ttl_s)
-    if ttl_s < 0:
-        raise InvalidInput(f"ttl_s: expected seconds >= 0, got {ttl_s}")
+    ttl_s = argument_ranges(run.settings)["ttl_s"].check("ttl_s", ttl_s)
     with run.fault("expire_token_cache", "token:*", None) as details:
         details["keys"] = run.target.expire_token_cache(ttl_s)
     return int(details["keys"])
@@ -95,9 +93,7 @@ def expire_token_cache(run: ChaosRun, ttl_s: float = 0.0) -> int:
 def set_qps(run: ChaosRun, qps: float) -> float:
     """Change the load's total rate from now on; undone (back to the previous rate) at the
     run's end. Returns the previous rate."""
-    qps = as_number("qps", qps)
-    if not qps > 0:
-        raise InvalidInput(f"qps: expected a rate > 0, got {qps!r}")
+    qps = argument_ranges(run.settings)["qps"].check("qps", qps)
     cap = run.settings.embedded_max_qps
     if run.settings.target == "embedded" and qps > cap:
         run.notes.append(f"set_qps: {qps:g} asked, {cap:g} sent (embedded_max_qps)")
@@ -114,11 +110,9 @@ def set_qps(run: ChaosRun, qps: float) -> float:
 def inject_burst(run: ChaosRun, duration_s: float = 10.0, factor: float = 1.0) -> float:
     """One burst starting now: `factor` x the base rate on top for `duration_s` (ends by
     itself). Returns the extra QPS at the start."""
-    duration_s, factor = as_number("duration_s", duration_s), as_number("factor", factor)
-    if not duration_s > 0 or not factor > 0:
-        raise InvalidInput(
-            f"inject_burst: expected duration_s > 0 and factor > 0, got {duration_s!r}, {factor!r}"
-        )
+    ranges = argument_ranges(run.settings)
+    duration_s = ranges["duration_s"].check("duration_s", duration_s)
+    factor = ranges["factor"].check("factor", factor)
     with run.fault("inject_burst", f"load x{1 + factor:g} for {duration_s:g} s", None):
         run.traffic.inject_burst(duration_s=duration_s, factor=factor)
     return run.current_qps * factor

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from typing import Any
 
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.report.summary import RunResult
+from llmchaos.signals import held
 from llmchaos.stack.config import DEFAULT_VARIANT
 
 __all__ = ["ALLURE_CATEGORIES", "SUITES", "GamedayResult", "run_gameday"]
@@ -108,7 +110,7 @@ def run_gameday(
         argv += ["-k", select]
     env = {**os.environ, "LLMCHAOS_SUITE_DIR": str(folder / "runs"), "LLMCHAOS_TARGET": target}
     print(f"game day {folder.name}: suite {suite}, target {target}", flush=True)
-    code = subprocess.call(argv, cwd=REPO, env=env)
+    code = _run_suite(argv, env)
     outcomes = _record_history(root, folder)
     for experiment in sorted({o["experiment"] for o in outcomes}):
         _add_trend_result(root, experiment, results)
@@ -119,6 +121,28 @@ def run_gameday(
         print(f"llmchaos gameday: {exc}", file=sys.stderr)
     _print_summary(outcomes, report, folder)
     return GamedayResult(folder, code, report, outcomes)
+
+
+_SUITE_STOP_S = 300.0
+"""How long an interrupted suite may take to stop its running experiment (each undoes its
+faults, stops its load, writes its report and stops its stack)."""
+
+
+def _run_suite(argv: list[str], env: dict[str, str]) -> int:
+    """pytest over the suites; an interrupt of the game day becomes a Ctrl-C of pytest (which
+    stops the running `chaos run` cleanly), waited for, then raised again."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        with held("stopping the suite"):
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=_SUITE_STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
 
 
 def _record_history(root: Path, folder: Path) -> list[dict[str, Any]]:

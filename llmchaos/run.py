@@ -9,49 +9,56 @@
 The control (llmchaos.control) drives these steps; probes and actions reach the run through
 `current_run()`, since Chaos Toolkit calls them as plain functions in the same process.
 
-`run.json` in the run folder says who owns the run (pid) and what it started (stack state
-folder, load folder), so `llmchaos cleanup` can finish what a killed `chaos run` left: it
-undoes the ledger's open faults, stops the load and stops the stack.
+`run.json` in the run folder says who owns the run (pid), which phase it is in and what it
+started (stack state folder, load folder), so `llmchaos cleanup` can finish what a killed
+`chaos run` left: it undoes the ledger's open faults, stops the load, rebuilds the report from
+the timeline and the ledger on disk ("rebuilt after the run was killed at <phase>"), and the
+stack cleanup that follows stops the stack. A run whose owner still lives is never touched
+unless it is named (`--run ID`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llmchaos.backends import Backend, TargetInfo
 from llmchaos.backends.embedded import EmbeddedBackend
-from llmchaos.errors import LLMChaosError
-from llmchaos.files import write_json_atomic
+from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.files import read_json_object, write_json_atomic
 from llmchaos.ledger import LEDGER_FILE, FaultEntry, FaultLedger, Undo
 from llmchaos.load import LoadConfig, LoadRun, Summary
 from llmchaos.load.api import find_load_processes
-from llmchaos.load.procs import start_ticks
+from llmchaos.processes import Owner, start_ticks
+from llmchaos.redact import redact, redact_text
+from llmchaos.report import RunFacts, RunResult, write_run_report
 from llmchaos.settings import RunSettings
 from llmchaos.stack.procs import stop_pids
 
 __all__ = [
+    "JOURNAL_FILE",
     "RUN_FILE",
     "ChaosRun",
     "NoActiveRun",
-    "abandon_dead_runs",
+    "RunsCleanup",
     "current_run",
+    "finish_dead_runs",
     "planned_target",
+    "rebuild_report",
 ]
 
 log = logging.getLogger("chaostoolkit")
 
 RUN_FILE = "run.json"
+JOURNAL_FILE = "journal.json"
 LOAD_UNDO_OPS = frozenset({"set_qps"})
 """Undo operations that act on the load rather than on the target."""
 
@@ -142,6 +149,10 @@ class ChaosRun:
     """Why the control interrupted the run (steady state unmet before the method, start
     failed): the journal itself only says `interrupted`."""
     finished: bool = False
+    phase: str = "opening"
+    """Where the run is (starting-target, warming-up, method, report, ...): in run.json, so a
+    report rebuilt after a kill can say where the run died."""
+    started_at: float = field(default_factory=time.time)
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
@@ -161,20 +172,56 @@ class ChaosRun:
         return run
 
     def write_state(self, status: str, **extra: Any) -> None:
-        """(Re)write run.json: owner pid, status, what was started."""
+        """(Re)write run.json: owner pid, status, phase, what was started."""
         data = {
             "pid": os.getpid(),
             "pid_start_ticks": start_ticks(os.getpid()),
             "status": status,
+            "phase": self.phase,
             "name": self.name,
             "title": self.title,
             "target": self.settings.target,
             "stack_state_dir": self._stack_state_dir(),
             "load_run_dir": str(self.load.run_dir.resolve()) if self.load else None,
+            "load_start_ts": self.load_start_ts,
+            "qps_run": self.settings.effective_qps,
+            "started_at": self.started_at,
+            "interrupted_because": self.interrupted_because,
+            "notes": self.notes,
             "settings": self.settings.to_dict(),
             **extra,
         }
-        write_json_atomic(self.run_dir / RUN_FILE, data)
+        write_json_atomic(self.run_dir / RUN_FILE, redact(data))
+
+    def enter_phase(self, phase: str) -> None:
+        """Note in run.json that the run is now in `phase`."""
+        self.phase = phase
+        if not self.finished:
+            self.write_state("running")
+
+    def save_journal(self, journal: dict[str, Any]) -> None:
+        """The journal as Chaos Toolkit handed it to the control, before the finish, so a kill
+        during the finish still leaves the verdict's inputs on disk."""
+        write_json_atomic(self.run_dir / JOURNAL_FILE, redact(journal))
+
+    def facts(self, load_summary: Summary | None, frame_drops: int | None) -> RunFacts:
+        """What the report needs, from this live run."""
+        return RunFacts(
+            name=self.name,
+            title=self.title,
+            run_dir=self.run_dir,
+            settings=self.settings,
+            qps_run=self.settings.effective_qps,
+            faults=self.faults(),
+            load_start_ts=self.load_start_ts,
+            timeline_path=self.load.timeline_path if self.load else None,
+            load_summary=load_summary.to_dict() if load_summary else None,
+            frame_drops_since_fault=frame_drops,
+            guard=self.aborted_by_guard,
+            interrupted_because=self.interrupted_because,
+            notes=self.notes,
+            started_at=self.started_at,
+        )
 
     def _stack_state_dir(self) -> str | None:
         if isinstance(self.backend, EmbeddedBackend):
@@ -194,7 +241,8 @@ class ChaosRun:
             self.backend = _kubernetes_backend(self.settings)
         else:
             log.info("llmchaos: starting the embedded stack (variant %s)", self.settings.variant)
-            self.backend = EmbeddedBackend.start(self.settings.stack_config())
+            owner = Owner.this_process("run", str(self.run_dir))
+            self.backend = EmbeddedBackend.start(self.settings.stack_config(), owner=owner)
         self.write_state("running")
         return self.backend
 
@@ -210,8 +258,7 @@ class ChaosRun:
             )
             self.notes.append(note)
             log.warning("llmchaos: %s", note)
-        # one Locust process carries ~2,500 QPS open loop here (llmchaos/load/README.md)
-        workers = max(s.load_workers, math.ceil(s.effective_qps / 2500))
+        workers = s.load_processes
         config = LoadConfig(
             url=backend.gateway_url,
             qps=s.effective_qps,
@@ -232,7 +279,10 @@ class ChaosRun:
             owner_pid=os.getpid(),
         )
         log.info(
-            "llmchaos: starting the load: %g QPS %s to %s", config.qps, s.load_profile, config.url
+            "llmchaos: starting the load: %g QPS %s to %s",
+            config.qps,
+            s.load_profile,
+            redact_text(config.url),
         )
         self.load = LoadRun.start(config)
         self.current_qps = config.qps
@@ -328,46 +378,103 @@ class ChaosRun:
                 _current = None
 
 
-def abandon_dead_runs(runs_root: Path, dry_run: bool = False) -> list[str]:
-    """Finish what runs whose `chaos run` was killed left behind; one line per thing done.
+@dataclass
+class RunsCleanup:
+    """What `finish_dead_runs` did: one line per thing, and the stacks of the runs it
+    finished (the stack cleanup removes them even while a named run's owner lives)."""
+
+    lines: list[str] = field(default_factory=list)
+    stack_ids: list[str] = field(default_factory=list)
+
+
+def finish_dead_runs(
+    runs_root: Path, run_ids: Sequence[str] = (), dry_run: bool = False
+) -> RunsCleanup:
+    """Finish what runs whose `chaos run` was killed left behind (or the runs named in
+    `run_ids`, whatever their owner); see the module docstring.
 
     A run counts as dead when run.json says running and its owner process is gone (or its
     pid now belongs to another process); a run that ended with an undo that failed
     (`faults-open`) is tried again too. Its load processes are stopped and its open faults
     closed: on a cluster each is undone through the Kubernetes backend; on the embedded stack
     every fault lives in the stack's processes and namespaces, which the stack cleanup that
-    follows removes. The run is then marked abandoned.
+    follows removes. A killed run's report is rebuilt from what is on disk, and the run is
+    marked abandoned. Raises InvalidInput for a named run that does not exist.
     """
-    lines: list[str] = []
+    result = RunsCleanup()
     loads = find_load_processes()
+    named = set(run_ids)
+    missing = sorted(r for r in named if not (Path(runs_root) / r / RUN_FILE).exists())
+    if missing:
+        raise InvalidInput(f"--run {missing[0]}: no run folder with a {RUN_FILE} under {runs_root}")
     for run_file in sorted(Path(runs_root).glob(f"*/{RUN_FILE}")):
-        try:
-            data = json.loads(run_file.read_text())
-        except (OSError, ValueError):
+        data = read_json_object(run_file)
+        run_dir = run_file.parent.resolve()
+        if data is None or (named and run_dir.name not in named):
             continue
         status = data.get("status")
-        if status not in ("running", "faults-open"):
-            continue
         started = data.get("pid_start_ticks")
-        owner_alive = started is not None and start_ticks(int(data.get("pid", 0))) == started
-        if status == "running" and owner_alive:
-            continue  # the owner still runs: not ours to clean
-        run_dir = run_file.parent.resolve()
+        owner = Owner("run", int(data.get("pid", 0)), started, str(run_dir))
+        ended_or_live = status not in ("running", "faults-open") or (
+            status == "running" and owner.alive()
+        )
+        if ended_or_live and run_dir.name not in named:
+            continue  # not ours to clean
         pids = [pid for pid, where in loads.items() if Path(where).is_relative_to(run_dir)]
         ledger = FaultLedger(run_dir / LEDGER_FILE)
         faults = ledger.open_faults()
-        lines.append(
-            f"run {run_dir.name}: owner {data.get('pid')} gone; load processes "
+        result.lines.append(
+            f"run {run_dir.name}: owner {owner.describe()}; load processes "
             f"{' '.join(map(str, pids)) or '-'}; open faults "
             f"{', '.join(f'{f.fault}({f.target})' for f in faults) or '-'}"
         )
+        stack_dir = data.get("stack_state_dir")
+        if stack_dir and run_dir.name in named:
+            result.stack_ids.append(Path(stack_dir).name)
         if dry_run:
             continue
         stop_pids(pids, grace_s=3.0)
         try:
-            lines += _close_faults(ledger, data)
+            result.lines += _close_faults(ledger, data)
         except LLMChaosError as exc:  # a cluster out of reach: say so, go on with the rest
-            lines.append(f"run {run_dir.name}: faults left open: {exc}")
+            result.lines.append(f"run {run_dir.name}: faults left open: {exc}")
+        if status == "running":
+            result.lines.append(_rebuild_line(run_dir, data))
         data["status"] = "faults-open" if ledger.open_faults() else "abandoned"
         write_json_atomic(run_file, data)
-    return lines
+    return result
+
+
+def _rebuild_line(run_dir: Path, data: dict[str, Any]) -> str:
+    try:
+        rebuilt = rebuild_report(run_dir, data)
+    except (LLMChaosError, OSError, ValueError, KeyError, TypeError) as exc:
+        return f"run {run_dir.name}: report not rebuilt: {type(exc).__name__}: {exc}"
+    return f"run {run_dir.name}: report {rebuilt.rebuilt}: {run_dir / 'report.html'}"
+
+
+def rebuild_report(run_dir: Path, data: dict[str, Any]) -> RunResult:
+    """Write the report of a killed run again from its folder: run.json (`data`), the
+    ledger, the load's timeline and summary, and the journal when the run got that far."""
+    settings = RunSettings.from_record(data["settings"])
+    load_dir = Path(data["load_run_dir"]) if data.get("load_run_dir") else None
+    load_summary = read_json_object(load_dir / "summary.json") if load_dir else None
+    rebuilt = f"rebuilt after the run was killed at {data.get('phase') or 'an unknown phase'}"
+    facts = RunFacts(
+        name=str(data.get("name", run_dir.name)),
+        title=str(data.get("title", run_dir.name)),
+        run_dir=run_dir,
+        settings=settings,
+        qps_run=float(data.get("qps_run") or settings.effective_qps),
+        faults=FaultLedger(run_dir / LEDGER_FILE).entries(),
+        load_start_ts=data.get("load_start_ts"),
+        timeline_path=load_dir / "timeline.jsonl" if load_dir else None,
+        load_summary=load_summary,
+        frame_drops_since_fault=None,  # counted live from success instants, not kept on disk
+        guard=None,
+        interrupted_because=data.get("interrupted_because"),
+        notes=[*data.get("notes", []), f"report {rebuilt} (frame drops are not on disk)"],
+        started_at=float(data.get("started_at") or 0.0),
+        rebuilt=rebuilt,
+    )
+    return write_run_report(facts, read_json_object(run_dir / JOURNAL_FILE))

@@ -4,11 +4,13 @@ Toolkit runs."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from llmchaos.gameday import SUITES, run_gameday
-from llmchaos.run import abandon_dead_runs
+from llmchaos.run import RUN_FILE, finish_dead_runs
 from llmchaos.settings import RunSettings
+from llmchaos.signals import held
 from llmchaos.stack.cleanup import cleanup
 from llmchaos.validation import validate_experiment_file
 
@@ -28,10 +30,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     clean = subparsers.add_parser(
         "cleanup",
-        help="finish killed runs (stop their load) and remove processes, namespaces and links "
-        "left by crashed or killed stacks",
+        help="finish killed runs (stop their load, close their faults, rebuild their report) "
+        "and remove what dead stacks left; what a live owner holds is left alone",
     )
-    clean.add_argument("--stack", metavar="ID", help="only this stack (default: all of them)")
+    clean.add_argument(
+        "--stack",
+        metavar="ID",
+        action="append",
+        default=[],
+        help="remove this stack whatever its owner (repeatable)",
+    )
+    clean.add_argument(
+        "--run",
+        metavar="ID",
+        action="append",
+        default=[],
+        help="finish this run (its folder name) and remove its stack, even if its owner lives",
+    )
+    clean.add_argument(
+        "--all",
+        action="store_true",
+        dest="everything",
+        help="every run and stack, live ones included (asks first; --yes to skip)",
+    )
+    clean.add_argument("--yes", action="store_true", help="do not ask before --all")
     clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     clean.add_argument(
         "--state-root",
@@ -86,14 +108,35 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _cleanup(args: argparse.Namespace) -> int:
-    for line in abandon_dead_runs(args.runs_root, dry_run=args.dry_run):
-        print(("would finish " if args.dry_run else "finished ") + line)
-    report = cleanup(args.state_root, args.stack, dry_run=args.dry_run)
-    verb = "would remove" if args.dry_run else "removed"
-    print(f"cleanup {verb}:" if not report.empty else "cleanup: nothing left behind")
-    for line in report.lines():
+    if args.everything and not args.dry_run and not _confirmed(args):
+        print("llmchaos cleanup: --all not confirmed; nothing done", file=sys.stderr)
+        return 1
+    run_ids = [p.name for p in sorted(args.runs_root.glob(f"*/{RUN_FILE}"))]
+    with held("cleaning up"):
+        runs = finish_dead_runs(
+            args.runs_root, run_ids if args.everything else args.run, dry_run=args.dry_run
+        )
+        for line in runs.lines:
+            print(("would finish " if args.dry_run else "finished ") + line)
+        if (args.stack or args.run) and not args.everything:
+            report = cleanup(args.state_root, [*args.stack, *runs.stack_ids], dry_run=args.dry_run)
+        else:
+            report = cleanup(args.state_root, everything=args.everything, dry_run=args.dry_run)
+    lines = report.lines(dry_run=args.dry_run)
+    print("cleanup:" if lines else "cleanup: nothing left behind")
+    for line in lines:
         print(f"  {line}")
     return 0
+
+
+def _confirmed(args: argparse.Namespace) -> bool:
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        print("llmchaos cleanup: --all stops live runs and stacks too; add --yes", file=sys.stderr)
+        return False
+    answer = input("Stop every llmchaos run and stack on this machine, live ones too? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
 
 
 def _gameday(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ it gets SIGTERM (the control then undoes its faults and stops its stack), and SI
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmchaos.files import read_json_object
 from llmchaos.report.summary import RunResult
-from llmchaos.run import RUN_FILE, abandon_dead_runs
+from llmchaos.run import RUN_FILE, finish_dead_runs
+from llmchaos.signals import held
 from llmchaos.stack.cleanup import cleanup
 
 __all__ = ["ExperimentOutcome", "failure_message", "run_experiment"]
@@ -89,12 +90,16 @@ def run_experiment(
         except subprocess.TimeoutExpired:
             timed_out = True
             code = _stop(proc, runs_root)
+        except KeyboardInterrupt:  # its own session: the run would go on without us
+            with held("stopping the experiment"):
+                _stop(proc, runs_root)
+            raise
     run_dir = _run_dir(runs_root)
     return ExperimentOutcome(
         experiment=experiment,
         variant=variant,
         exit_code=code,
-        journal=_read_json(journal_path),
+        journal=read_json_object(journal_path),
         result=_read_result(run_dir),
         run_dir=run_dir,
         log_path=log_path,
@@ -110,25 +115,18 @@ def _stop(proc: subprocess.Popen[bytes], runs_root: Path) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         code = proc.wait()
-    abandon_dead_runs(runs_root)
     run_dir = _run_dir(runs_root)
-    stack_dir = (_read_json(run_dir / RUN_FILE) or {}).get("stack_state_dir") if run_dir else None
-    if stack_dir:
-        cleanup(Path(stack_dir).parent, Path(stack_dir).name)
+    if run_dir is not None:
+        finished = finish_dead_runs(runs_root, [run_dir.name])
+        stack_dir = (read_json_object(run_dir / RUN_FILE) or {}).get("stack_state_dir")
+        if stack_dir and finished.stack_ids:
+            cleanup(Path(stack_dir).parent, finished.stack_ids)
     return code
 
 
 def _run_dir(runs_root: Path) -> Path | None:
     found = sorted(p.parent for p in runs_root.glob(f"*/{RUN_FILE}"))
     return found[-1] if found else None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _read_result(run_dir: Path | None) -> RunResult | None:

@@ -26,7 +26,7 @@ import difflib
 import math
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +36,19 @@ from llmchaos.errors import InvalidInput
 from llmchaos.load.timeline import FAILURE_CLASSES
 from llmchaos.stack.config import StackConfig, get_variant
 
-__all__ = ["ENV_PREFIX", "ERROR_CLASSES", "K8S_PREFIX", "RunSettings", "Target", "as_number"]
+__all__ = [
+    "ENV_PREFIX",
+    "ERROR_CLASSES",
+    "K8S_PREFIX",
+    "MAX_LOAD_PROCESSES",
+    "QPS_PER_LOAD_PROCESS",
+    "SETTING_RANGES",
+    "Range",
+    "RunSettings",
+    "Target",
+    "argument_ranges",
+    "as_number",
+]
 
 ENV_PREFIX = "LLMCHAOS_"
 K8S_PREFIX = "k8s_"
@@ -44,6 +56,95 @@ K8S_PREFIX = "k8s_"
 Target = Literal["embedded", "k8s"]
 ERROR_CLASSES = FAILURE_CLASSES
 """Failure classes the load counts: what `error_classes` may name."""
+
+
+QPS_PER_LOAD_PROCESS = 2500.0
+"""What one Locust process sends open loop here (llmchaos/load/README.md)."""
+MAX_LOAD_PROCESSES = 64
+"""Most load processes one machine runs (LoadConfig.workers allows 64)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number may take: low..high, the low end itself excluded when open."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def __str__(self) -> str:
+        if self.low_open:
+            return f"> {_plain(self.low)} and <= {_plain(self.high)}"
+        return f"within {_plain(self.low)}..{_plain(self.high)}"
+
+    def check(self, where: str, value: object) -> float:
+        """`value` as a number inside the range; raises InvalidInput naming `where`."""
+        number = as_number(where, value)
+        low_ok = number > self.low if self.low_open else number >= self.low
+        if not (low_ok and number <= self.high):
+            shown = _plain(value) if isinstance(value, int | float) else repr(value)
+            raise InvalidInput(f"{where}: expected a number {self}, got {shown}")
+        return number
+
+
+def _plain(number: float) -> str:
+    """1000000 as 1,000,000 and 0.5 as 0.5, never 1e+06."""
+    if float(number).is_integer() and abs(number) < 1e15:
+        return f"{int(number):,}"
+    return f"{number:g}"
+
+
+_DAY_S = 86400.0
+SETTING_RANGES: dict[str, Range] = {
+    "qps": Range(0, 1_000_000, low_open=True),
+    "embedded_max_qps": Range(0, 20_000, low_open=True),
+    "load_workers": Range(1, MAX_LOAD_PROCESSES),
+    "gpu_workers": Range(0, 64),
+    "cpu_workers": Range(0, 64),
+    "gpu_load_s": Range(0, 3600),
+    "first_load_s": Range(0, 3600),
+    "restart_delay_s": Range(0, 600),
+    "token_db_latency_ms": Range(0, 10_000),
+    "token_db_pool_size": Range(1, 1000),
+    "tenants": Range(1, 100_000),
+    "stream_share": Range(0, 1),
+    "output_median_tokens": Range(1, 32_768),
+    "prompt_max_tokens": Range(10, 1_000_000),
+    "bad_token_share": Range(0, 1),
+    "request_timeout_s": Range(0, 3600, low_open=True),
+    "warmup_s": Range(0, 3600),
+    "max_duration_s": Range(0, 7 * _DAY_S, low_open=True),
+    "p99_slo_ms": Range(0, 3_600_000, low_open=True),
+    "ttft_slo_ms": Range(0, 3_600_000, low_open=True),
+    "tpot_slo_ms": Range(0, 3_600_000, low_open=True),
+    "error_rate_slo": Range(0, 1),
+    "queue_depth_slo": Range(0, 1e9),
+    "sla_s": Range(0, _DAY_S, low_open=True),
+    "window_s": Range(0, 3600, low_open=True),
+    "stable_for_s": Range(0, 3600, low_open=True),
+    "recovery_timeout_s": Range(0, _DAY_S),
+    "guard_error_rate": Range(0, 1),
+    "guard_for_s": Range(0, _DAY_S, low_open=True),
+}
+"""Every number of RunSettings and the values it may take: a week of load at a million QPS
+is the most any run may ask for; the embedded stack runs on one machine (20,000 QPS is four
+times what the load itself sends from two cores)."""
+
+
+def argument_ranges(settings: RunSettings) -> dict[str, Range]:
+    """What probe and action arguments of these names may be, in a run with `settings`: a
+    rate at most what a run may ask, durations and windows within the load's schedule."""
+    longest_s = settings.max_duration_s
+    return {
+        "qps": SETTING_RANGES["qps"],
+        "duration_s": Range(0, longest_s, low_open=True),
+        "factor": Range(0, 100, low_open=True),
+        "limit": Range(0, math.inf),
+        "min_share": Range(0, 1),
+        "window_s": Range(0, longest_s),
+        "timeout_s": Range(0, longest_s),
+        "ttl_s": Range(0, 30 * _DAY_S),
+    }
 
 
 @dataclass(frozen=True)
@@ -158,40 +259,27 @@ class RunSettings:
                 f"target: expected one of {', '.join(typing.get_args(Target))}, got {self.target!r}"
             )
         get_variant(self.variant)
-        for name in (
-            "qps",
-            "embedded_max_qps",
-            "request_timeout_s",
-            "max_duration_s",
-            "p99_slo_ms",
-            "ttft_slo_ms",
-            "tpot_slo_ms",
-            "sla_s",
-            "window_s",
-            "stable_for_s",
-            "guard_for_s",
-        ):
-            _require(name, getattr(self, name), low=0.0, strict=True)
-        for name in (
-            "warmup_s",
-            "gpu_load_s",
-            "first_load_s",
-            "restart_delay_s",
-            "token_db_latency_ms",
-        ):
-            _require(name, getattr(self, name), low=0.0)
-        for name in ("error_rate_slo", "guard_error_rate", "stream_share", "bad_token_share"):
-            _require(name, getattr(self, name), low=0.0, high=1.0)
-        _require("queue_depth_slo", self.queue_depth_slo, low=0.0)
-        _require("recovery_timeout_s", self.recovery_timeout_s, low=0.0)
+        for name, allowed in SETTING_RANGES.items():
+            allowed.check(name, getattr(self, name))
+        if self.warmup_s >= self.max_duration_s:
+            raise InvalidInput(
+                f"warmup_s: expected less than max_duration_s ({self.max_duration_s:g} s, the "
+                f"load's whole schedule), got {self.warmup_s:g}"
+            )
+        processes = self.load_processes
+        if processes > MAX_LOAD_PROCESSES:
+            raise InvalidInput(
+                f"qps: {_plain(self.effective_qps)} needs {processes} load processes on this "
+                f"machine (one per {_plain(QPS_PER_LOAD_PROCESS)} QPS, at most "
+                f"{MAX_LOAD_PROCESSES}); ask for at most "
+                f"{_plain(MAX_LOAD_PROCESSES * QPS_PER_LOAD_PROCESS)}, or load from the cluster"
+            )
         unknown = sorted(set(self.error_classes) - set(ERROR_CLASSES))
         if unknown:
             raise InvalidInput(
                 f"error_classes: unknown class(es) {', '.join(unknown)}; "
                 f"expected some of {', '.join(ERROR_CLASSES)}"
             )
-        if self.load_workers < 1:
-            raise InvalidInput(f"load_workers: expected >= 1, got {self.load_workers}")
         self.stack_config()  # the embedded stack's own checks (worker counts, ...)
         if self.target == "k8s":
             self.kubernetes_settings()  # its own checks, before anything starts
@@ -203,6 +291,11 @@ class RunSettings:
         if self.target == "embedded":
             return min(self.qps, self.embedded_max_qps)
         return self.qps
+
+    @property
+    def load_processes(self) -> int:
+        """Locust processes the load needs at `effective_qps` (at least `load_workers`)."""
+        return max(self.load_workers, math.ceil(self.effective_qps / QPS_PER_LOAD_PROCESS))
 
     @property
     def recovery_deadline_s(self) -> float:
@@ -242,10 +335,17 @@ class RunSettings:
 
     @classmethod
     def from_configuration(
-        cls, configuration: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+        cls,
+        configuration: Mapping[str, Any] | None,
+        environ: Mapping[str, str] | None = None,
+        *,
+        other_keys: Collection[str] = (),
     ) -> RunSettings:
         """Settings from an experiment's resolved configuration and the environment.
 
+        Every configuration key must be a setting, a `k8s_<field>`, or one of `other_keys`
+        (what the experiment uses for itself: `${key}` in an activity, or keys another Chaos
+        Toolkit extension reads, listed in the llmchaos extension's `foreign_configuration`).
         Raises InvalidInput naming the key, the value and what was expected.
         """
         configuration = dict(configuration or {})
@@ -260,39 +360,49 @@ class RunSettings:
         k8s.update(
             {k[len(K8S_PREFIX) :]: v for k, v in configuration.items() if k.startswith(K8S_PREFIX)}
         )
+        settable = set(fields) - {"k8s"}  # Kubernetes settings come as k8s_<field> keys
         for key in configuration:
-            if key not in fields and not key.startswith(K8S_PREFIX):
-                close = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
-                if close:
-                    raise InvalidInput(
-                        f"configuration.{key}: not a setting; did you mean {close[0]!r}?"
-                    )
-        values: dict[str, Any] = {"k8s": k8s}
-        for name in fields:
-            if name == "k8s":
+            if key in settable or key.startswith(K8S_PREFIX) or key in other_keys:
                 continue
+            close = difflib.get_close_matches(key, settable, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise InvalidInput(
+                f"configuration.{key}: not a setting; {hint}(a value the experiment uses "
+                f"itself must appear as ${{{key}}}, or be listed in the llmchaos extension's "
+                '"foreign_configuration")'
+            )
+        values: dict[str, Any] = {"k8s": k8s}
+        origins: dict[str, str] = {}
+        for name in settable:
             env_key = ENV_PREFIX + name.upper()
             if name in configuration:
-                values[name] = _convert(hints[name], configuration[name], f"configuration.{name}")
+                origins[name] = f"configuration.{name}"
+                values[name] = _convert(hints[name], configuration[name], origins[name])
             elif env_key in environ:
+                origins[name] = env_key
                 values[name] = _convert(hints[name], environ[env_key], env_key)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except InvalidInput as exc:  # say where the bad value came from
+            name, sep, rest = str(exc).partition(":")
+            if sep and name in origins:
+                raise InvalidInput(f"{origins[name]}:{rest}") from None
+            raise
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-
-def _require(
-    name: str, value: float, *, low: float, high: float | None = None, strict: bool = False
-) -> None:
-    ok = math.isfinite(value) and (value > low if strict else value >= low)
-    if high is not None:
-        ok = ok and value <= high
-    if not ok:
-        bound = f"> {low:g}" if strict else f">= {low:g}"
-        if high is not None:
-            bound = f"within {low:g}..{high:g}"
-        raise InvalidInput(f"{name}: expected a number {bound}, got {value!r}")
+    @classmethod
+    def from_record(cls, data: Mapping[str, Any]) -> RunSettings:
+        """Settings as `to_dict` wrote them (run.json); raises InvalidInput like
+        `from_configuration`."""
+        hints = typing.get_type_hints(cls)
+        values = {
+            name: value if name == "k8s" else _convert(hints[name], value, f"settings.{name}")
+            for name, value in data.items()
+            if name in hints
+        }
+        return cls(**values)
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:

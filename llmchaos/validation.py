@@ -16,6 +16,7 @@ import importlib
 import inspect
 import json
 import math
+import re
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ from chaoslib.experiment import ensure_experiment_is_valid
 
 from llmchaos.backends import TargetInfo
 from llmchaos.errors import InvalidInput
+from llmchaos.experiment_file import read_experiment
 from llmchaos.run import planned_target
-from llmchaos.settings import ERROR_CLASSES, RunSettings, as_number
+from llmchaos.settings import ERROR_CLASSES, RunSettings, argument_ranges, as_number
 from llmchaos.stack.config import get_variant
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "ExperimentMeta",
     "check_experiment",
     "experiment_meta",
+    "other_configuration_keys",
     "validate_experiment_file",
 ]
 
@@ -60,6 +63,9 @@ class ExperimentMeta:
     """One of SEVERITIES: how bad it is when this experiment fails."""
     negative_controls: tuple[str, ...] = ()
     """Known-bad variants the experiment must FAIL against (its probes can fail)."""
+    foreign_configuration: tuple[str, ...] = ()
+    """Configuration keys read by other Chaos Toolkit extensions (not llmchaos settings and
+    not used as `${key}`), which would otherwise be refused as unknown settings."""
 
 
 def experiment_meta(experiment: dict[str, Any]) -> ExperimentMeta:
@@ -75,6 +81,12 @@ def experiment_meta(experiment: dict[str, Any]) -> ExperimentMeta:
     fault_type = entry.get("fault_type", "other")
     severity = entry.get("severity", "normal")
     negatives = entry.get("negative_controls", [])
+    foreign = entry.get("foreign_configuration", [])
+    if not isinstance(foreign, list) or not all(isinstance(v, str) for v in foreign):
+        raise InvalidInput(
+            "extensions.llmchaos.foreign_configuration: expected a list of configuration keys, "
+            f"got {foreign!r}"
+        )
     if not isinstance(fault_type, str) or not fault_type:
         raise InvalidInput(f"extensions.llmchaos.fault_type: expected a name, got {fault_type!r}")
     if severity not in SEVERITIES:
@@ -91,7 +103,19 @@ def experiment_meta(experiment: dict[str, Any]) -> ExperimentMeta:
             get_variant(variant)
         except InvalidInput as exc:
             raise InvalidInput(f"extensions.llmchaos.negative_controls: {exc}") from None
-    return ExperimentMeta(fault_type, severity, tuple(negatives))
+    return ExperimentMeta(fault_type, severity, tuple(negatives), tuple(foreign))
+
+
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def other_configuration_keys(experiment: dict[str, Any]) -> set[str]:
+    """Configuration keys the experiment uses for itself: `${key}` anywhere outside its
+    configuration, and the llmchaos extension's `foreign_configuration`. InvalidInput when
+    that extension is malformed."""
+    body = {k: v for k, v in experiment.items() if k != "configuration"}
+    used = set(_REFERENCE.findall(json.dumps(body, default=str)))
+    return used | set(experiment_meta(experiment).foreign_configuration)
 
 
 OUR_MODULES = ("probes", "actions", "llmchaos")
@@ -116,43 +140,30 @@ def _activities(experiment: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any
                 yield f"{section}[{i}] {activity.get('name')!r}", activity
 
 
-def _positive(value: Any) -> str | None:
-    return None if as_number("", value) > 0 else "expected a number > 0"
+def _argument_checks(info: TargetInfo, settings: RunSettings) -> dict[str, Callable[[Any], None]]:
+    """Checks by argument name, shared by every probe and action; each raises InvalidInput."""
+    ranges = argument_ranges(settings)
 
+    def in_range(name: str) -> Callable[[Any], None]:
+        def check(value: Any) -> None:
+            ranges[name].check("", value)
 
-def _not_negative(value: Any) -> str | None:
-    return None if as_number("", value) >= 0 else "expected a number >= 0"
+        return check
 
+    def classes(value: Any) -> None:
+        if not (isinstance(value, list) and set(value) <= set(ERROR_CLASSES)):
+            raise InvalidInput(f"expected a list of some of {list(ERROR_CLASSES)}")
 
-def _argument_checks(info: TargetInfo) -> dict[str, Callable[[Any], str | None]]:
-    """Checks by argument name, shared by every probe and action."""
-
-    def invalid(check: Callable[[], Any]) -> str | None:
-        try:
-            check()
-        except InvalidInput as exc:
-            return str(exc)
-        return None
+    def mode(value: Any) -> None:
+        if value not in ("", "gpu", "cpu"):
+            raise InvalidInput("expected gpu, cpu or empty")
 
     return {
-        "node": lambda v: invalid(lambda: info.check_node(v)),
-        "gateway": lambda v: invalid(lambda: info.gateway_names(v)),
-        "qps": _positive,
-        "duration_s": _positive,
-        "factor": _positive,
-        "limit": _not_negative,
-        "min_share": lambda v: (
-            None if 0 <= as_number("", v) <= 1 else "expected a share within 0..1"
-        ),
-        "window_s": _not_negative,
-        "timeout_s": _not_negative,
-        "ttl_s": _not_negative,
-        "mode": lambda v: None if v in ("", "gpu", "cpu") else "expected gpu, cpu or empty",
-        "classes": lambda v: (
-            None
-            if isinstance(v, list) and set(v) <= set(ERROR_CLASSES)
-            else f"expected a list of some of {list(ERROR_CLASSES)}"
-        ),
+        **{name: in_range(name) for name in ranges},
+        "node": info.check_node,
+        "gateway": info.gateway_names,
+        "mode": mode,
+        "classes": classes,
     }
 
 
@@ -183,7 +194,7 @@ def _check_activity(
     place: str,
     activity: dict[str, Any],
     configuration: dict[str, Any],
-    checks: dict[str, Callable[[Any], str | None]],
+    checks: dict[str, Callable[[Any], None]],
     info: TargetInfo,
 ) -> list[str]:
     provider = activity.get("provider") or {}
@@ -220,11 +231,12 @@ def _check_activity(
             continue
         check = checks.get(name)
         try:
-            problem = check(value) if check else None
+            if check is not None:
+                check(value)
         except InvalidInput as exc:
-            problem = str(exc).lstrip(": ")
-        if problem:
-            problems.append(f"{where}: {problem} (got {value!r})")
+            problem = str(exc).removeprefix(": ")
+            shown = "" if "got " in problem else f" (got {value!r})"
+            problems.append(f"{where}: {problem}{shown}")
     if "worker" in given or ("node" in given and func_name == "kill_gpu_process"):
         try:
             info.gpu_workers(str(given.get("worker", "")), str(given.get("node", "")))
@@ -239,7 +251,10 @@ def _check_activity(
 
 
 def check_experiment(
-    experiment: dict[str, Any], configuration: dict[str, Any], info: TargetInfo
+    experiment: dict[str, Any],
+    configuration: dict[str, Any],
+    info: TargetInfo,
+    settings: RunSettings,
 ) -> list[str]:
     """Every problem found (empty when the experiment is fine); see the module docstring."""
     problems = []
@@ -251,7 +266,7 @@ def check_experiment(
                 '(e.g. "tolerance": [0, 45], or a probe tolerance such as probes.tolerances.'
                 "at_most)"
             )
-    checks = _argument_checks(info)
+    checks = _argument_checks(info, settings)
     ours = False
     for place, activity in _activities(experiment):
         module = str((activity.get("provider") or {}).get("module", ""))
@@ -271,17 +286,14 @@ def check_experiment(
 
 
 def validate_experiment_file(path: Path) -> list[str]:
-    """Every problem of the experiment file at `path` (empty when it is fine): JSON, Chaos
-    Toolkit's own validation, the settings from its configuration, then check_experiment.
-    Never raises for a bad file: each problem is one line naming what is wrong."""
+    """Every problem of the experiment file at `path` (empty when it is fine): readable JSON or
+    YAML object, Chaos Toolkit's own validation, the settings from its configuration, then
+    check_experiment. Never raises for a bad file: each problem is one line naming what is
+    wrong."""
     try:
-        experiment = json.loads(Path(path).read_text())
-    except OSError as exc:
-        return [f"cannot read the file: {exc.strerror}"]
-    except ValueError as exc:
-        return [f"not JSON: {exc}"]
-    if not isinstance(experiment, dict):
-        return [f"expected a JSON object (an experiment), got {type(experiment).__name__}"]
+        experiment = read_experiment(Path(path))
+    except InvalidInput as exc:
+        return [str(exc).removeprefix(f"{path}: ")]
     problems = []
     try:
         ensure_experiment_is_valid(experiment)
@@ -293,10 +305,11 @@ def validate_experiment_file(path: Path) -> list[str]:
         raw = experiment.get("configuration") or {}
         if not isinstance(raw, dict):
             return [*problems, "configuration: expected an object"]
-        experiment_meta(experiment)
         configuration = load_configuration(raw)
-        settings = RunSettings.from_configuration(configuration)
-        problems += check_experiment(experiment, configuration, planned_target(settings))
+        settings = RunSettings.from_configuration(
+            configuration, other_keys=other_configuration_keys(experiment)
+        )
+        problems += check_experiment(experiment, configuration, planned_target(settings), settings)
     except InvalidInput as exc:
         problems.append(str(exc))
     except Exception as exc:  # same as above: report, never a traceback

@@ -23,11 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmchaos.backends import Backend, TargetInfo, WorkerRef
 from llmchaos.errors import InvalidInput, StackError
+from llmchaos.processes import Owner, pid_alive
 from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig, get_variant
-from llmchaos.stack.procs import http_get_status, pid_alive
+from llmchaos.stack.procs import http_get_status
 from llmchaos.stack.stack import node_layout, restart_gateway, start_stack, stop_stack, use_netns
-from llmchaos.stack.topology import Topology
+from llmchaos.stack.topology import Topology, read_secrets
 
 __all__ = ["EmbeddedBackend"]
 
@@ -43,9 +44,12 @@ class EmbeddedBackend(Backend):
         self._topology = topology
 
     @classmethod
-    def start(cls, config: StackConfig, *, progress: bool = True) -> EmbeddedBackend:
-        """Start a stack (see llmchaos.stack.stack.start_stack for what can be raised)."""
-        return cls(start_stack(config, progress=progress))
+    def start(
+        cls, config: StackConfig, *, owner: Owner | None = None, progress: bool = True
+    ) -> EmbeddedBackend:
+        """Start a stack owned by `owner` (see llmchaos.stack.stack.start_stack for what can
+        be raised)."""
+        return cls(start_stack(config, progress=progress, owner=owner))
 
     @staticmethod
     def planned_info(config: StackConfig) -> TargetInfo:
@@ -152,7 +156,10 @@ class EmbeddedBackend(Backend):
     def expire_token_cache(self, ttl_s: float) -> int:
         import redis
 
-        client = redis.Redis.from_url(self.topology.redis_url, socket_timeout=5.0)
+        password = read_secrets(self._state_dir).redis_password
+        client = redis.Redis.from_url(
+            self.topology.redis_url, password=password, socket_timeout=5.0
+        )
         try:
             keys = list(client.scan_iter("token:*", count=1000))
             if not keys:

@@ -82,8 +82,9 @@ _PEXPIRE_SCRIPT = (
     "local n = 0 for _, k in ipairs(KEYS) do n = n + redis.call('PEXPIRE', k, ARGV[1]) end return n"
 )
 """One EVAL per batch: PEXPIRE takes one key, and one exec per key would take minutes."""
-_DNS_LABELISH = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
-_NAMESPACE_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Always used with fullmatch: `$` would also match before a trailing newline ("kube-system\n").
+_DNS_LABELISH = re.compile(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?")
+_NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _HANDSHAKE_STATUS = re.compile(r"Handshake status (\d{3})")
 
 
@@ -220,7 +221,7 @@ def check_settings(settings: KubernetesSettings) -> None:
                 f"allowed_namespaces: {name!r} is a system namespace and may never be a chaos "
                 f"target; list only the inference stack's namespace"
             )
-        if not isinstance(name, str) or not _NAMESPACE_RE.match(name):
+        if not isinstance(name, str) or not _NAMESPACE_RE.fullmatch(name):
             raise InvalidInput(
                 f"allowed_namespaces: {name!r} is not a namespace name (lower-case DNS label)"
             )
@@ -277,11 +278,11 @@ def check_settings(settings: KubernetesSettings) -> None:
 Requirement = tuple[str, str, frozenset[str]]
 """(key, operator, values): operator is one of =, !=, in, notin, exists, !exists."""
 
-_SET_REQ = re.compile(r"^([^\s!=(),]+)\s+(in|notin)\s*\(([^()]*)\)$")
+_SET_REQ = re.compile(r"([^\s!=(),]+)\s+(in|notin)\s*\(([^()]*)\)")
 _LABEL_KEY = re.compile(
-    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+    r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
 )
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 
 
 def parse_selector(selector: str, field: str = "selector") -> list[Requirement]:
@@ -303,7 +304,7 @@ def parse_selector(selector: str, field: str = "selector") -> list[Requirement]:
         part = raw.strip()
         if not part:
             continue
-        set_match = _SET_REQ.match(part)
+        set_match = _SET_REQ.fullmatch(part)
         if set_match:
             key, op, values = set_match.groups()
             items = frozenset(v.strip() for v in values.split(",") if v.strip())
@@ -319,7 +320,7 @@ def parse_selector(selector: str, field: str = "selector") -> list[Requirement]:
         else:
             requirements.append((part, "exists", frozenset()))
         key, _, values = requirements[-1]
-        if not _LABEL_KEY.match(key) or not all(_LABEL_VALUE.match(v) for v in values):
+        if not _LABEL_KEY.fullmatch(key) or not all(_LABEL_VALUE.fullmatch(v) for v in values):
             raise InvalidInput(
                 f"{field}: cannot parse {part!r} in label selector {selector!r} (expected "
                 f"key=value, key!=value, key in (a,b), key notin (a,b), key or !key)"
@@ -350,7 +351,7 @@ def selector_matches(requirements: list[Requirement], labels: Mapping[str, str])
 # -- helpers -------------------------------------------------------------------------------
 def _partition_key(node: str) -> str:
     """The node as a label value and NetworkPolicy name suffix (both <= 63 characters)."""
-    if _DNS_LABELISH.match(node):
+    if _DNS_LABELISH.fullmatch(node):
         return node
     return "n-" + hashlib.sha256(node.encode()).hexdigest()[:16]
 

@@ -36,11 +36,13 @@ from typing import Any
 
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.load.config import LoadConfig, default_run_dir, validate
-from llmchaos.load.procs import LOAD_ENV, find_marked, start_ticks
+from llmchaos.load.procs import LOAD_ENV
 from llmchaos.load.profiles import build_profile
 from llmchaos.load.summary import Summary
 from llmchaos.load.traffic import check_bad_tokens, load_tenants
 from llmchaos.load.wire import CONFIG_ARGUMENT, LIVE_FILE, split_url
+from llmchaos.processes import find_marked, start_ticks
+from llmchaos.signals import deferred, held
 
 __all__ = ["LoadError", "LoadRun", "check_config", "find_load_processes", "locust_command"]
 
@@ -125,6 +127,18 @@ def locust_command(config: LoadConfig) -> list[str]:
     return cmd
 
 
+def _wait_live(process: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> str:
+    """The live endpoint's URL once the load process has written it; raises LoadError."""
+    deadline = time.monotonic() + timeout_s
+    live = run_dir / LIVE_FILE
+    while not live.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            tail = (run_dir / "locust.log").read_text(errors="replace")[-2000:]
+            raise LoadError(f"the load process did not start (see {run_dir}/locust.log):\n{tail}")
+        time.sleep(_POLL_S)
+    return str(json.loads(live.read_text())["url"])
+
+
 class LoadRun:
     """A load running in a Locust child process; see the module docstring."""
 
@@ -149,7 +163,7 @@ class LoadRun:
         (run_dir / LIVE_FILE).unlink(missing_ok=True)
         # The marker lets a cleanup find this load again after its owner died.
         env = {**os.environ, LOAD_ENV: str(run_dir.resolve())}
-        with (run_dir / "locust.log").open("wb") as log:
+        with (run_dir / "locust.log").open("wb") as log, deferred():
             process = subprocess.Popen(
                 locust_command(config),
                 env=env,
@@ -158,17 +172,13 @@ class LoadRun:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + ready_timeout_s
-        live = run_dir / LIVE_FILE
-        while not live.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
+        try:
+            live_url = _wait_live(process, run_dir, ready_timeout_s)
+        except BaseException:  # an interrupt included: nobody else would stop it
+            with held("stopping the load process"):
                 _terminate(process)
-                tail = (run_dir / "locust.log").read_text(errors="replace")[-2000:]
-                raise LoadError(
-                    f"the load process did not start (see {run_dir}/locust.log):\n{tail}"
-                )
-            time.sleep(_POLL_S)
-        return cls(config, process, json.loads(live.read_text())["url"])
+            raise
+        return cls(config, process, live_url)
 
     def _call(self, method: str, path: str, timeout_s: float = 5.0) -> Any:
         request = urllib.request.Request(self.live_url + path, method=method)

@@ -14,6 +14,7 @@ from llmchaos.load.api import LoadRun
 from llmchaos.load.capacity import run_capacity, write_chart
 from llmchaos.load.config import LoadConfig
 from llmchaos.load.goodput import parse_goodput
+from llmchaos.signals import held
 
 __all__ = ["register"]
 
@@ -125,7 +126,8 @@ def _load(args: argparse.Namespace) -> int:
     try:
         summary = run.wait()
     except KeyboardInterrupt:
-        summary = run.stop()
+        with held("stopping the load"):
+            summary = run.stop()
     print(json.dumps(summary.to_dict(), indent=2))
     return 0
 

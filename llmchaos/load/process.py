@@ -27,7 +27,6 @@ from llmchaos.files import write_json_atomic
 from llmchaos.load.aggregate import Aggregate
 from llmchaos.load.config import LoadConfig, default_run_dir
 from llmchaos.load.live import make_app
-from llmchaos.load.procs import Owner
 from llmchaos.load.profiles import build_profile
 from llmchaos.load.user import WORKER
 from llmchaos.load.wire import (
@@ -39,6 +38,7 @@ from llmchaos.load.wire import (
     START_MESSAGE,
     config_from_options,
 )
+from llmchaos.processes import Owner
 
 __all__ = ["Controller"]
 
@@ -85,7 +85,7 @@ class Controller:
         url = f"http://{host}:{self.server.server_port}"
         write_json_atomic(self.run_dir / LIVE_FILE, {"url": url, "pid": os.getpid()})
         if self.config.owner_pid is not None:
-            gevent.spawn(self._watch_owner, Owner(self.config.owner_pid))
+            gevent.spawn(self._watch_owner, Owner.of(self.config.owner_pid))
 
     # Locust hooks
 
@@ -164,7 +164,7 @@ class Controller:
         """Stop the run once the owner is gone: nobody is left to stop it (a SIGKILLed
         `chaos run`), and load must not keep hitting the target. A stop before the test
         started takes effect at its first tick."""
-        while not owner.gone():
+        while owner.alive():
             gevent.sleep(_OWNER_CHECK_S)
         logger.warning("llmchaos load: owner process %d is gone, stopping", owner.pid)
         self.stop()

@@ -27,6 +27,7 @@ from llmchaos.analysis import (
 )
 from llmchaos.files import write_json_atomic, write_text_atomic
 from llmchaos.ledger import FaultEntry
+from llmchaos.redact import redact
 from llmchaos.report.chart import ChartMarks, write_recovery_chart
 from llmchaos.report.html import render_html
 from llmchaos.report.summary import RunResult, probe_output, verdict_of
@@ -55,6 +56,9 @@ class RunFacts:
     interrupted_because: str | None
     notes: Sequence[str]
     started_at: float
+    rebuilt: str | None = None
+    """Set when the report is written again after the run was killed ("rebuilt after the run
+    was killed at <phase>")."""
 
 
 def _write_csv(
@@ -175,11 +179,12 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
         started_at=facts.started_at,
         ended_at=time.time(),
         guard=facts.guard,
-        notes=facts.notes,
+        notes=list(facts.notes),
+        rebuilt=facts.rebuilt,
     )
     run_dir = facts.run_dir
     if journal is not None:
-        write_json_atomic(run_dir / "journal.json", journal)
+        write_json_atomic(run_dir / "journal.json", redact(journal))
     _write_csv(run_dir / "timeline.csv", records, windows)
     chart_svg = None
     if records:
@@ -202,10 +207,10 @@ def _met(journal: dict[str, Any] | None, phase: str) -> bool | None:
 
 def _values(settings: RunSettings, journal: dict[str, Any] | None) -> dict[str, Any]:
     """What `${...}` in the experiment meant in this run: its configuration (resolved the way
-    Chaos Toolkit did, from the same environment), over the run's settings."""
+    Chaos Toolkit did, from the same environment), over the run's settings; secrets masked."""
     values = settings.to_dict()
     raw = ((journal or {}).get("experiment") or {}).get("configuration")
     if isinstance(raw, dict):
         with contextlib.suppress(Exception):  # a report without it is still a report
             values.update(load_configuration(raw))
-    return values
+    return dict(redact(values))

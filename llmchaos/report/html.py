@@ -151,6 +151,7 @@ def render_html(
 <style>{_STYLE}</style></head><body>
 <h1>{html.escape(r.title)} <span class="badge {r.verdict}">{r.verdict.upper()}</span></h1>
 <p class=muted>{html.escape(r.experiment)} · {html.escape(r.run_dir)}</p>
+{f"<p><strong>Report {html.escape(r.rebuilt)}.</strong></p>" if r.rebuilt else ""}
 {f"<ul>{reasons}</ul>" if reasons else ""}
 <table>{figures}</table>
 {chart}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.files import write_json_atomic
+from llmchaos.redact import redact
 
 __all__ = ["RunResult", "hypothesis_outcome", "probe_output", "verdict_of"]
 
@@ -69,12 +70,15 @@ class RunResult:
     guard: str | None = None
     """Why the safety guard aborted the run, if it did."""
     notes: list[str] = field(default_factory=list)
+    rebuilt: str | None = None
+    """"rebuilt after the run was killed at <phase>" when `llmchaos cleanup` wrote this
+    report from the run folder, after the run itself could not."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def write(self, path: Path) -> Path:
-        return write_json_atomic(path, self.to_dict())
+        return write_json_atomic(path, redact(self.to_dict()))
 
     @classmethod
     def read(cls, path: Path) -> RunResult:
@@ -105,6 +109,7 @@ class RunResult:
     def table(self) -> str:
         """A short plain-text table for the terminal."""
         rows = [
+            *([("report", self.rebuilt)] if self.rebuilt else []),
             ("verdict", self.verdict.upper() + "".join(": " + r for r in self.reasons[:1])),
             ("experiment", f"{self.title} [{self.experiment}]"),
             *self.figures(),

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from llmchaos.signals import held
 from llmchaos.stack.config import DEFAULT_VARIANT, VARIANTS, StackConfig
 from llmchaos.stack.stack import live_status, start_stack, stop_stack
 from llmchaos.stack.topology import Topology, find_state_dir
@@ -113,6 +114,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _down(args: argparse.Namespace) -> int:
     topology = Topology.load(find_state_dir(args.state_root, args.state))
-    stopped = stop_stack(topology)
+    with held("stopping the stack"):
+        stopped = stop_stack(topology)
     print(f"stack {topology.stack_id} down ({len(stopped)} processes stopped)")
     return 0

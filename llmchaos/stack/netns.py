@@ -11,11 +11,14 @@ deletes the rules with it.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from llmchaos.errors import InvalidInput, StackError
 
@@ -31,13 +34,15 @@ __all__ = [
     "is_partitioned",
     "list_links",
     "list_namespaces",
+    "namespace_age_s",
     "partition_namespace",
     "pick_subnet",
+    "short_id_of",
 ]
 
 NETNS_PREFIX = "llmc-"
 """Every namespace the stack creates starts with this; `llmchaos cleanup` removes them all."""
-_LINK_PATTERN = re.compile(r"^lc[0-9a-f]{4}-\d+[hn]$")
+_LINK_PATTERN = re.compile(r"lc[0-9a-f]{4}-\d+[hn]")
 _PARTITION_COMMENT = "llmchaos-partition"
 _SUBNET_BASE = ipaddress.ip_network("10.203.0.0/16")
 
@@ -182,16 +187,30 @@ def is_partitioned(netns: str) -> bool:
     return _PARTITION_COMMENT in _iptables(netns, "-S", check=False).stdout
 
 
-def list_namespaces() -> list[str]:
-    """Namespaces of ours that exist now (any stack)."""
+def list_namespaces(short_id: str | None = None) -> list[str]:
+    """Namespaces of ours that exist now: of the stack with `short_id`, or of any stack."""
     if shutil.which("ip") is None:
         return []
     out = _run(["ip", "netns", "list"], check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(NETNS_PREFIX)]
+    prefix = NETNS_PREFIX + (f"{short_id}-" if short_id else "")
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
 
 
-def list_links() -> list[str]:
-    """Host network links of ours that exist now (any stack)."""
+def namespace_age_s(name: str) -> float:
+    """Seconds since namespace `name` was created (its mount point's age); inf when unknown."""
+    try:
+        return time.time() - (Path("/run/netns") / name).stat().st_mtime
+    except OSError:
+        return math.inf
+
+
+def short_id_of(name: str) -> str:
+    """The short stack id in one of our namespace or link names."""
+    return name.removeprefix(NETNS_PREFIX)[:4] if name.startswith(NETNS_PREFIX) else name[2:6]
+
+
+def list_links(short_id: str | None = None) -> list[str]:
+    """Host network links of ours that exist now: of the stack with `short_id`, or of any."""
     if shutil.which("ip") is None:
         return []
     out = _run(["ip", "-o", "link", "show"], check=False).stdout
@@ -200,6 +219,6 @@ def list_links() -> list[str]:
         parts = line.split(":", 2)
         if len(parts) >= 2:
             name = parts[1].strip().split("@", 1)[0]
-            if _LINK_PATTERN.match(name):
+            if _LINK_PATTERN.fullmatch(name) and short_id in (None, short_id_of(name)):
                 links.append(name)
     return links

@@ -20,18 +20,23 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from llmchaos.errors import ComponentNotReady, InvalidInput
+from llmchaos.processes import Owner, pid_alive
+from llmchaos.signals import deferred
 
 __all__ = [
+    "OWNER_ENV",
     "STACK_ENV",
     "STACK_ID_PATTERN",
+    "StackProcess",
     "find_stack_processes",
     "free_port",
     "http_get_status",
-    "pid_alive",
     "port_in_use",
+    "scan_stack_processes",
     "set_parent_death_signal",
     "spawn",
     "stop_pids",
@@ -41,6 +46,9 @@ __all__ = [
 
 STACK_ENV = "LLMCHAOS_STACK"
 """Environment marker set on every process a stack starts; its value is the stack id."""
+OWNER_ENV = "LLMCHAOS_STACK_OWNER"
+"""Environment marker of whom the stack belongs to (`Owner.to_marker`), so a cleanup can tell a
+live run's stack from a dead one's even without the stack's state folder."""
 
 _PR_SET_PDEATHSIG = 1
 
@@ -76,22 +84,28 @@ def spawn(
     argv: Sequence[str],
     *,
     stack_id: str,
+    owner: Owner,
     log_path: Path,
     env: dict[str, str] | None = None,
+    stdin_text: str | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start `argv` in its own session, marked with the stack id, output appended to `log_path`.
+    """Start `argv` in its own session, marked with the stack id and its owner, output
+    appended to `log_path`; `stdin_text` is written to its standard input (how a secret
+    reaches a process without its command line or a file).
 
     Own session: a Ctrl-C in the terminal that ran `stack up` must not reach the stack; the
-    stack is stopped by `stack down`, the control's cleanup, or `llmchaos cleanup`.
-    Raises InvalidInput when the executable does not exist.
+    stack is stopped by `stack down`, the control's cleanup, or `llmchaos cleanup`. Signals
+    are deferred until the child has exec'd with its marks, so an interrupted start never
+    leaves a process that a cleanup cannot find. Raises InvalidInput when the executable does
+    not exist.
     """
-    full_env = {**os.environ, **(env or {}), STACK_ENV: stack_id}
+    full_env = {**os.environ, **(env or {}), STACK_ENV: stack_id, OWNER_ENV: owner.to_marker()}
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
+    with log_path.open("ab") as log, deferred():
         try:
-            return subprocess.Popen(
+            process = subprocess.Popen(
                 list(argv),
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=full_env,
@@ -99,16 +113,11 @@ def spawn(
             )
         except FileNotFoundError as exc:
             raise InvalidInput(f"cannot start {argv[0]!r}: not found") from exc
-
-
-def pid_alive(pid: int) -> bool:
-    """True when `pid` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    # state is the field after the parenthesised command name, which may contain spaces
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        if process.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                process.stdin.write((stdin_text or "").encode())
+            process.stdin.close()
+        return process
 
 
 def _reap(pid: int) -> None:
@@ -152,38 +161,58 @@ STACK_ID_PATTERN = re.compile(r"\d{8}-\d{6}-[0-9a-f]{4}")
 """Shape of a stack id (and of its state folder's name): <date>-<time>-<4 hex>."""
 
 
-def _marked_stack_id(proc: Path) -> str | None:
+@dataclass(frozen=True)
+class StackProcess:
+    """A live process that belongs to a stack."""
+
+    pid: int
+    stack_id: str
+    owner: Owner | None
+    """From its OWNER_ENV marker; None for redis-server, which overwrites its environment."""
+    state_dir: Path | None
+    """Known for redis-server (its working directory is `<state dir>/redis`)."""
+
+
+def _stack_process(proc: Path) -> StackProcess | None:
     try:
         environ = (proc / "environ").read_bytes()
     except OSError:
         return None
-    prefix = STACK_ENV.encode() + b"="
+    marks = {}
     for item in environ.split(b"\0"):
-        if item.startswith(prefix):
-            return item[len(prefix) :].decode(errors="replace")
+        key, _, value = item.partition(b"=")
+        if key in (STACK_ENV.encode(), OWNER_ENV.encode()):
+            marks[key.decode()] = value.decode(errors="replace")
+    pid = int(proc.name)
+    if STACK_ENV in marks:
+        owner = Owner.from_marker(marks.get(OWNER_ENV, ""))
+        return StackProcess(pid, marks[STACK_ENV], owner, None)
     try:
         cwd = Path(os.readlink(proc / "cwd").removesuffix(" (deleted)"))
     except OSError:
         return None
     if cwd.name == "redis" and STACK_ID_PATTERN.fullmatch(cwd.parent.name):
-        return cwd.parent.name
+        return StackProcess(pid, cwd.parent.name, None, cwd.parent)
     return None
+
+
+def scan_stack_processes() -> list[StackProcess]:
+    """Every live process of any stack, except this one and its ancestors, by pid."""
+    spared = _self_and_ancestors()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in spared:
+            continue
+        process = _stack_process(entry)
+        if process is not None and pid_alive(process.pid):
+            found.append(process)
+    return sorted(found, key=lambda p: p.pid)
 
 
 def find_stack_processes(stack_id: str | None = None) -> list[int]:
     """Pids of live processes marked with `stack_id` (any stack when None), except this one
     and its ancestors."""
-    spared = _self_and_ancestors()
-    found: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in spared:
-            continue
-        marked = _marked_stack_id(entry)
-        if marked is None or (stack_id is not None and marked != stack_id):
-            continue
-        if pid_alive(int(entry.name)):
-            found.append(int(entry.name))
-    return sorted(found)
+    return [p.pid for p in scan_stack_processes() if stack_id in (None, p.stack_id)]
 
 
 def _self_and_ancestors() -> set[int]:

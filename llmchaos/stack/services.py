@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmchaos.errors import InvalidInput
+from llmchaos.processes import Owner
 from llmchaos.stack.procs import spawn
 
 __all__ = [
@@ -45,12 +46,16 @@ def require_binary(name: str) -> str:
     return path
 
 
-def start_redis(state_dir: Path, port: int, stack_id: str) -> subprocess.Popen[bytes]:
-    """redis-server on 127.0.0.1:`port` without persistence (a cache, like the seed's)."""
+def start_redis(
+    state_dir: Path, port: int, stack_id: str, owner: Owner, password: str
+) -> subprocess.Popen[bytes]:
+    """redis-server on 127.0.0.1:`port` without persistence (a cache, like the seed's), which
+    requires `password` (given on its standard input: never on its command line or on disk)."""
     data_dir = state_dir / "redis"
     data_dir.mkdir(exist_ok=True)
     argv = [
         require_binary("redis-server"),
+        "-",  # the rest of the configuration from stdin
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--save", "",
@@ -58,7 +63,13 @@ def start_redis(state_dir: Path, port: int, stack_id: str) -> subprocess.Popen[b
         "--dir", str(data_dir),
         "--daemonize", "no",
     ]  # fmt: skip
-    return spawn(argv, stack_id=stack_id, log_path=state_dir / "logs" / "redis.log")
+    return spawn(
+        argv,
+        stack_id=stack_id,
+        owner=owner,
+        log_path=state_dir / "logs" / "redis.log",
+        stdin_text=f"requirepass {password}\n",
+    )
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,9 @@ def _haproxy_maxconn() -> int:
     return max(256, min(20_000, (soft - 100) // 2))
 
 
-def start_haproxy(config_path: Path, state_dir: Path, stack_id: str) -> subprocess.Popen[bytes]:
+def start_haproxy(
+    config_path: Path, state_dir: Path, stack_id: str, owner: Owner
+) -> subprocess.Popen[bytes]:
     """HAProxy in the foreground (`-db`) with `config_path`; raises InvalidInput on a bad one."""
     binary = require_binary("haproxy")
     check = subprocess.run(
@@ -139,6 +152,7 @@ def start_haproxy(config_path: Path, state_dir: Path, stack_id: str) -> subproce
     return spawn(
         [binary, "-db", "-f", str(config_path)],
         stack_id=stack_id,
+        owner=owner,
         log_path=state_dir / "logs" / "haproxy.log",
     )
 

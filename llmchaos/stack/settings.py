@@ -20,6 +20,7 @@ from llmchaos.errors import InvalidInput
 __all__ = [
     "CPU_PROFILE",
     "GPU_PROFILE",
+    "REDIS_PASSWORD_ENV",
     "CacheSettings",
     "EngineProfile",
     "GatewaySettings",
@@ -30,6 +31,9 @@ __all__ = [
     "settings_to_dict",
     "write_settings",
 ]
+
+REDIS_PASSWORD_ENV = "LLMCHAOS_REDIS_PASSWORD"
+"""Environment variable that hands a gateway the token cache's password."""
 
 ServingMode = Literal["gpu", "cpu"]
 
@@ -158,7 +162,8 @@ class GatewaySettings:
     workers: tuple[UpstreamWorker, ...] = ()
     """Upstream engine workers."""
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """Token cache."""
+    """Token cache, without credentials: its password comes from the environment
+    (REDIS_PASSWORD_ENV), so that no file of the stack holds it."""
     token_db_path: str = "tokens.sqlite"
     """SQLite token table (tokens(token TEXT PRIMARY KEY, tenant TEXT, revoked INTEGER))."""
     token_db_pool_size: int = 4

@@ -6,7 +6,11 @@
 
 `start_stack` removes whatever it had started when a step fails or it is interrupted, so a
 failed `up` leaves nothing behind. Processes are found again by their `LLMCHAOS_STACK` marker
-and namespaces by name, so `stop_stack` also catches restarted workers and stray children.
+and namespaces and veth links by the stack's short id in their names, never from a list kept
+in memory (a signal can come between creating a thing and noting it), so the teardown and
+`stop_stack` also catch restarted workers and stray children. Every stack has an owner
+(`owner.json`, written before anything starts): the chaos run it belongs to, or the user for
+`llmchaos stack up`; `llmchaos cleanup` judges by it.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from llmchaos.errors import InvalidInput
+from llmchaos.processes import Owner, pid_alive
+from llmchaos.signals import deferred, held
 from llmchaos.stack import netns
 from llmchaos.stack.agent import AgentSettings, AgentWorker
+from llmchaos.stack.cleanup import leftovers, remove_leftovers
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import (
     free_port,
     http_get_status,
-    pid_alive,
     port_in_use,
     spawn,
     stop_pids,
@@ -42,6 +48,7 @@ from llmchaos.stack.services import (
 from llmchaos.stack.settings import (
     CPU_PROFILE,
     GPU_PROFILE,
+    REDIS_PASSWORD_ENV,
     GatewaySettings,
     UpstreamWorker,
     WorkerSettings,
@@ -53,9 +60,14 @@ from llmchaos.stack.topology import (
     CURRENT_FILE,
     GatewayInfo,
     NodeInfo,
+    StackSecrets,
     Topology,
     WorkerInfo,
     read_agent_state,
+    read_owner,
+    read_secrets,
+    write_owner,
+    write_secrets,
 )
 
 __all__ = [
@@ -98,25 +110,31 @@ def _new_stack_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def start_stack(config: StackConfig, *, progress: bool = False) -> Topology:
+def start_stack(
+    config: StackConfig, *, progress: bool = False, owner: Owner | None = None
+) -> Topology:
     """Start the whole stack and wait until HAProxy serves through a gateway.
 
+    `owner`: whom the stack belongs to (default: the user, as after `llmchaos stack up`).
     Raises InvalidInput before starting anything when the config cannot work here, and
     ComponentNotReady/StackError (after tearing down what was started) when a part fails.
+    A KeyboardInterrupt (SIGINT, SIGTERM) tears down too, and further signals wait for that.
     """
     with_netns = _preflight(config)
+    owner = owner or Owner.this_process("user")
     stack_id = _new_stack_id()
     state_dir = (Path(config.state_root) / stack_id).resolve()
     (state_dir / "logs").mkdir(parents=True)
+    write_owner(state_dir, owner)
     say = _progress(progress)
-    created: list[netns.NodeNetwork] = []
     try:
-        topology = _start(config, stack_id, state_dir, with_netns, created, say)
+        topology = _start(config, stack_id, owner, state_dir, with_netns, say)
+        topology.save()
     except BaseException:
-        say("start failed: removing what was started")
-        _teardown(stack_id, created)
+        with held("removing what was started", say):
+            say("start failed: removing what was started")
+            _teardown(stack_id)
         raise
-    topology.save()
     (Path(config.state_root) / CURRENT_FILE).write_text(stack_id + "\n")
     return topology
 
@@ -134,19 +152,21 @@ def _progress(enabled: bool) -> Callable[[str], None]:
 def _start(
     config: StackConfig,
     stack_id: str,
+    owner: Owner,
     state_dir: Path,
     with_netns: bool,
-    created: list[netns.NodeNetwork],
     say: Callable[[str], None],
 ) -> Topology:
     variant = get_variant(config.variant)
     logs = state_dir / "logs"
 
     redis_port = free_port()
-    redis = start_redis(state_dir, redis_port, stack_id)
+    password = secrets.token_urlsafe(18)
+    write_secrets(state_dir, StackSecrets(redis_password=password))
+    redis = start_redis(state_dir, redis_port, stack_id, owner, password)
     wait_until(
         "redis-server",
-        lambda: _redis_ping(redis_port),
+        lambda: _redis_ping(redis_port, password),
         config.ready_timeout_s,
         process=redis,
         log_path=logs / "redis.log",
@@ -163,7 +183,7 @@ def _start(
     )
     say(f"token table seeded: {len(records)} tokens, {config.tenants} tenants -> {tokens_file}")
 
-    nodes = _start_nodes(config, stack_id, state_dir, with_netns, created)
+    nodes = _start_nodes(config, stack_id, owner, state_dir, with_netns)
     for node in nodes:
         for worker in node.workers:
             wait_until(
@@ -190,7 +210,9 @@ def _start(
     gateways = []
     for role in roles:
         settings = replace(variant.gateway_settings(base), name=f"gateway-{role}", port=free_port())
-        gateways.append(start_gateway(settings, role, state_dir, stack_id, config.ready_timeout_s))
+        gateways.append(
+            start_gateway(settings, role, state_dir, stack_id, owner, config.ready_timeout_s)
+        )
     say("gateways ready: " + ", ".join(f"{g.name} {g.url}" for g in gateways))
 
     port = config.port or free_port()
@@ -200,7 +222,7 @@ def _start(
         HaproxyServer(g.name, g.url.removeprefix("http://"), g.role == "backup") for g in gateways
     ]
     config_path.write_text(haproxy_config(port, servers, stats_port))
-    haproxy = start_haproxy(config_path, state_dir, stack_id)
+    haproxy = start_haproxy(config_path, state_dir, stack_id, owner)
     gateway_url = f"http://127.0.0.1:{port}"
     wait_until(
         "haproxy",
@@ -244,11 +266,7 @@ def node_layout(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
 
 
 def _start_nodes(
-    config: StackConfig,
-    stack_id: str,
-    state_dir: Path,
-    with_netns: bool,
-    created: list[netns.NodeNetwork],
+    config: StackConfig, stack_id: str, owner: Owner, state_dir: Path, with_netns: bool
 ) -> list[NodeInfo]:
     subnet = netns.pick_subnet() if with_netns else None
     short_id = stack_id[-4:]
@@ -256,8 +274,8 @@ def _start_nodes(
     for index, (node, workers) in enumerate(node_layout(config)):
         net = None
         if subnet is not None:
-            net = netns.create_node_network(short_id, index, node, subnet)
-            created.append(net)
+            with deferred():  # whole or not at all: the teardown finds it by name
+                net = netns.create_node_network(short_id, index, node, subnet)
         address = net.address if net else "127.0.0.1"
         infos = []
         for worker_index, (name, mode) in enumerate(workers):
@@ -299,7 +317,9 @@ def _start_nodes(
         argv = [sys.executable, "-m", "llmchaos.stack.agent", "--settings", str(agent_path)]
         if net is not None:
             argv = ["ip", "netns", "exec", net.netns, *argv]
-        agent = spawn(argv, stack_id=stack_id, log_path=state_dir / "logs" / f"agent-{node}.log")
+        agent = spawn(
+            argv, stack_id=stack_id, owner=owner, log_path=state_dir / "logs" / f"agent-{node}.log"
+        )
         nodes.append(
             NodeInfo(
                 name=node,
@@ -315,13 +335,20 @@ def _start_nodes(
 
 
 def start_gateway(
-    settings: GatewaySettings, role: str, state_dir: Path, stack_id: str, timeout_s: float
+    settings: GatewaySettings,
+    role: str,
+    state_dir: Path,
+    stack_id: str,
+    owner: Owner,
+    timeout_s: float,
 ) -> GatewayInfo:
     """Start one gateway process from `settings` and wait for its /healthz."""
     settings_path = write_settings(settings, state_dir / f"{settings.name}.json")
     log_path = state_dir / "logs" / f"{settings.name}.log"
     argv = [sys.executable, "-m", "llmchaos.stack.gateway", "--settings", str(settings_path)]
-    proc = spawn(argv, stack_id=stack_id, log_path=log_path)
+    # the Redis password travels in the environment, never in the settings file
+    env = {REDIS_PASSWORD_ENV: read_secrets(state_dir).redis_password}
+    proc = spawn(argv, stack_id=stack_id, owner=owner, log_path=log_path, env=env)
     url = f"http://{settings.host}:{settings.port}"
     wait_until(
         settings.name,
@@ -345,8 +372,10 @@ def restart_gateway(topology: Topology, name: str, timeout_s: float = 30.0) -> T
     if pid_alive(gateway.pid):
         return topology
     settings = load_settings(GatewaySettings, Path(gateway.settings_path))
+    state_dir = Path(topology.state_dir)
+    owner = read_owner(state_dir) or Owner.this_process("user")
     restarted = start_gateway(
-        settings, gateway.role, Path(topology.state_dir), topology.stack_id, timeout_s
+        settings, gateway.role, state_dir, topology.stack_id, owner, timeout_s
     )
     gateways = list(topology.gateways)
     gateways[index] = restarted
@@ -355,19 +384,18 @@ def restart_gateway(topology: Topology, name: str, timeout_s: float = 30.0) -> T
     return updated
 
 
-def _redis_ping(port: int) -> bool:
+def _redis_ping(port: int, password: str) -> bool:
     import redis
 
     try:
-        return bool(redis.Redis(port=port, socket_timeout=0.5).ping())
+        return bool(redis.Redis(port=port, password=password, socket_timeout=0.5).ping())
     except redis.RedisError:
         return False
 
 
-def _teardown(stack_id: str, networks: list[netns.NodeNetwork]) -> None:
-    stop_stack_processes(stack_id)
-    for net in networks:
-        netns.delete_node_network(net)
+def _teardown(stack_id: str) -> None:
+    """Everything of `stack_id` there is now, found by its marks and names."""
+    remove_leftovers(leftovers(stack_id))
 
 
 def stop_stack(topology: Topology, grace_s: float = 3.0) -> list[int]:
@@ -380,9 +408,7 @@ def stop_stack(topology: Topology, grace_s: float = 3.0) -> list[int]:
     stopped += stop_pids([n.agent_pid for n in topology.nodes], grace_s)
     stopped += stop_pids([topology.redis_pid], grace_s)
     stopped += stop_stack_processes(topology.stack_id, grace_s)
-    for node in topology.nodes:
-        netns.delete_namespace(node.netns or "")
-        netns.delete_link(node.veth_host or "")
+    _teardown(topology.stack_id)  # namespaces and links, and anything started meanwhile
     if Path(topology.state_dir).exists():
         topology.with_status("stopped").save()
         current = Path(topology.state_dir).parent / CURRENT_FILE

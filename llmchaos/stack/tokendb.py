@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llmchaos.errors import InvalidInput
+from llmchaos.files import create_private, write_text_atomic
 
 __all__ = ["TokenRecord", "read_tokens_file", "seed_token_db"]
 
@@ -39,6 +40,7 @@ def seed_token_db(
         TokenRecord(f"sk-llmc-revoked-{secrets.token_hex(8)}", f"tenant-{i % tenants:02d}", True)
         for i in range(revoked)
     ]
+    create_private(db_path)  # SQLite gives its -wal and -shm files the database's mode
     with sqlite3.connect(db_path) as db:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(
@@ -50,7 +52,8 @@ def seed_token_db(
             [(r.token, r.tenant, int(r.revoked)) for r in records],
         )
     db.close()
-    tokens_file.write_text(json.dumps({"tokens": [asdict(r) for r in records]}, indent=1))
+    tokens = json.dumps({"tokens": [asdict(r) for r in records]}, indent=1)
+    write_text_atomic(tokens_file, tokens, private=True)
     return records
 
 

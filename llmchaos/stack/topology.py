@@ -14,22 +14,73 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput
+from llmchaos.files import write_json_atomic, write_text_atomic
+from llmchaos.processes import Owner
 from llmchaos.stack.settings import ServingMode, settings_from_dict, write_settings
 
 __all__ = [
     "CURRENT_FILE",
+    "OWNER_FILE",
+    "SECRETS_FILE",
     "AgentState",
     "GatewayInfo",
     "NodeInfo",
+    "StackSecrets",
     "Topology",
     "WorkerInfo",
     "WorkerState",
     "find_state_dir",
     "read_agent_state",
+    "read_owner",
+    "read_secrets",
+    "write_owner",
+    "write_secrets",
 ]
 
 CURRENT_FILE = "current"
 """File in the state root naming the stack that `status`/`down` act on by default."""
+OWNER_FILE = "owner.json"
+"""File in a stack's state folder saying whom the stack belongs to; written before anything
+of the stack starts, so even a start killed half-way can be judged by `llmchaos cleanup`."""
+
+
+SECRETS_FILE = "secrets.json"
+"""The stack's own secrets (the Redis password), mode 600 like the tokens file: the only
+files of a state folder that hold secrets. Nothing else (topology, settings, logs) does."""
+
+
+@dataclass(frozen=True)
+class StackSecrets:
+    """What the stack's processes need and nobody may read in its other files."""
+
+    redis_password: str
+
+
+def write_secrets(state_dir: Path, stack_secrets: StackSecrets) -> None:
+    data = {"redis_password": stack_secrets.redis_password}
+    write_text_atomic(Path(state_dir) / SECRETS_FILE, json.dumps(data), private=True)
+
+
+def read_secrets(state_dir: Path) -> StackSecrets:
+    """The stack's secrets; raises InvalidInput when the file is missing or broken."""
+    path = Path(state_dir) / SECRETS_FILE
+    try:
+        return StackSecrets(str(json.loads(path.read_text())["redis_password"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InvalidInput(f"{path}: missing or unreadable (is it a stack state folder?)") from None
+
+
+def write_owner(state_dir: Path, owner: Owner) -> None:
+    write_json_atomic(Path(state_dir) / OWNER_FILE, owner.to_dict())
+
+
+def read_owner(state_dir: Path) -> Owner | None:
+    """The stack's owner, None when the folder has no readable owner file."""
+    try:
+        data = json.loads((Path(state_dir) / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return Owner.from_dict(data) if isinstance(data, dict) else None
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, signal_and_wait
 from llmchaos import gameday
 from llmchaos.gameday import AllureMissing
+from llmchaos.stack.cleanup import leftovers
 
 BIN = Path(sys.executable).parent
 CHROMIUM = Path("/usr/bin/chromium")
@@ -63,7 +66,7 @@ def test_a_broken_experiment_is_one_failing_test(tmp_path: Path) -> None:
     assert out.splitlines()[-1].startswith("3 failed in"), out[-3000:]
     assert "framework error: broken.json is not a valid experiment" in out
     assert "not JSON" in out
-    assert "qps: expected a number > 0, got -1" in out
+    assert "qps: expected a number > 0 and <= 1,000,000, got -1" in out
     assert list((tmp_path / "allure").glob("*-result.json")), "the Allure results are written"
 
 
@@ -161,3 +164,44 @@ def _opens_an_image(page: Any, attachment: Any) -> None:
         arg=before,
         timeout=10_000,
     )
+
+
+@pytest.mark.slow
+def test_an_interrupted_game_day_stops_its_running_experiment(tmp_path: Path) -> None:
+    """SIGTERM to `llmchaos gameday` mid-experiment: pytest gets a Ctrl-C, the runner stops
+    its `chaos run` (own session) cleanly, and nothing of the run is left."""
+    root = tmp_path / "gameday"
+    argv = [str(BIN / "llmchaos"), "gameday", "--select", "gpu_kill and default and not all"]
+    proc = subprocess.Popen(
+        [*argv, "--root", str(root)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        run_file = _wait_for_file(root, "*/runs/*/*/run.json", proc)
+        _wait_for_file(run_file.parent, "load/timeline.jsonl", proc)
+        out, _, took_s = signal_and_wait(proc, signal.SIGTERM, 240)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, out[-3000:]
+    assert took_s < 120, took_s
+    run = json.loads(run_file.read_text())
+    assert run["status"] == "finished", run
+    summary = json.loads((run_file.parent / "summary.json").read_text())
+    assert summary["reasons"][0].startswith("interrupted by SIGTERM"), summary["reasons"]
+    stack_id = Path(run["stack_state_dir"]).name
+    assert leftovers(stack_id).empty, leftovers(stack_id).summary()
+
+
+def _wait_for_file(folder: Path, pattern: str, proc: subprocess.Popen[str]) -> Path:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the game day ended early"
+        found = sorted(folder.glob(pattern))
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no {pattern} under {folder} within 180 s")

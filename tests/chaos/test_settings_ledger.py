@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from pathlib import Path
 
 import pytest
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import FaultLedger, Undo
-from llmchaos.settings import RunSettings
+from llmchaos.settings import SETTING_RANGES, RunSettings
 
 
 def test_configuration_wins_over_environment_over_default() -> None:
@@ -29,9 +31,26 @@ def test_embedded_qps_is_capped_and_cluster_qps_is_not() -> None:
 @pytest.mark.parametrize(
     ("configuration", "environ", "message"),
     [
-        ({"qps": 0}, {}, "qps: expected a number > 0, got 0.0"),
+        ({"qps": 0}, {}, "qps: expected a number > 0 and <= 1,000,000, got 0"),
+        ({"qps": 1e9}, {}, "qps: expected a number > 0 and <= 1,000,000, got 1,000,000,000"),
+        ({"qps": 1e300 * 1e300}, {}, "configuration.qps: expected a number, got inf"),
+        (
+            {},
+            {"LLMCHAOS_EMBEDDED_MAX_QPS": "1e9"},
+            "LLMCHAOS_EMBEDDED_MAX_QPS: expected a number > 0 and <= 20,000, got 1,000,000,000",
+        ),
+        ({"warmup_s": 1e12}, {}, "warmup_s: expected a number within 0..3,600"),
+        ({"warmup_s": 600, "max_duration_s": 300}, {}, "warmup_s: expected less than"),
+        (
+            {"target": "k8s", "qps": 500_000, "k8s_allowed_namespaces": "llm"},
+            {},
+            "qps: 500,000 needs 200 load processes on this machine",
+        ),
+        ({"tenants": 0}, {}, "tenants: expected a number within 1..100,000, got 0"),
+        ({"duration": 60}, {}, "configuration.duration: not a setting; did you mean"),
+        ({"k8s": {"namespace": "x"}}, {}, "configuration.k8s: not a setting"),
         ({"qps": "lots"}, {}, "configuration.qps: expected a number, got 'lots'"),
-        ({}, {"LLMCHAOS_QPS": "-5"}, "qps: expected a number > 0"),
+        ({}, {"LLMCHAOS_QPS": "-5"}, "LLMCHAOS_QPS: expected a number > 0"),
         ({"variant": "shiny"}, {}, "unknown variant 'shiny'"),
         ({"sla": 45}, {}, "configuration.sla: not a setting; did you mean 'sla_s'?"),
         ({"target": "mars"}, {}, "target: expected one of embedded, k8s, got 'mars'"),
@@ -48,8 +67,20 @@ def test_bad_settings_name_the_key(
     assert message in str(raised.value)
 
 
-def test_unrelated_configuration_keys_are_left_alone() -> None:
-    RunSettings.from_configuration({"my_team": "sre", "dashboard_url": "http://x"}, {})
+def test_configuration_keys_the_experiment_uses_itself_are_allowed() -> None:
+    configuration = {"my_team": "sre", "dashboard_url": "http://x"}
+    with pytest.raises(InvalidInput, match=r"configuration\.my_team: not a setting"):
+        RunSettings.from_configuration(configuration, {})
+    RunSettings.from_configuration(configuration, {}, other_keys={"my_team", "dashboard_url"})
+
+
+def test_every_number_of_the_settings_has_a_range() -> None:
+    numbers = [
+        f.name
+        for f in dataclasses.fields(RunSettings)
+        if typing.get_type_hints(RunSettings)[f.name] in (int, float)
+    ]
+    assert sorted(numbers) == sorted(SETTING_RANGES)
 
 
 def test_the_ledger_holds_the_fault_before_the_action_runs(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,10 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from chaoslib.configuration import load_configuration
+from chaoslib.exceptions import InterruptExecution
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, chaos_run
+from llmchaos import control
+from llmchaos.run import ChaosRun
+from llmchaos.settings import RunSettings
 from llmchaos.validation import validate_experiment_file
 
 EXPERIMENTS = sorted((REPO / "experiments").glob("*.json"))
@@ -68,10 +75,41 @@ def _typo_setting(e: dict[str, Any]) -> None:
     e["configuration"]["sla"] = 45
 
 
+def _huge_qps(e: dict[str, Any]) -> None:
+    e["configuration"]["qps"] = 1e9
+
+
+def _unknown_key(e: dict[str, Any]) -> None:
+    e["configuration"]["duration"] = 60
+
+
+def _burst(e: dict[str, Any], **arguments: float) -> None:
+    provider = {"type": "python", "module": "actions.load", "func": "inject_burst"}
+    e["method"].append({"type": "action", "name": "burst", "provider": provider})
+    provider["arguments"] = arguments
+
+
+def _endless_burst(e: dict[str, Any]) -> None:
+    _burst(e, duration_s=1e12, factor=1.0)
+
+
+def _huge_factor(e: dict[str, Any]) -> None:
+    _burst(e, duration_s=10, factor=1e6)
+
+
+def _bad_foreign(e: dict[str, Any]) -> None:
+    e["extensions"][0]["foreign_configuration"] = "prometheus_base_url"
+
+
 CASES: list[tuple[str, Mutation, str]] = [
     ("unknown worker", _set_worker, "unknown GPU worker 'gpu-9'; GPU workers: gpu-0, gpu-1"),
     ("unknown node", _set_node, "unknown node 'node-z'; nodes: node-a, node-b, node-c"),
-    ("qps <= 0", _set_qps, "qps: expected a number > 0, got 0"),
+    ("qps <= 0", _set_qps, "configuration.qps: expected a number > 0 and <= 1,000,000, got 0"),
+    ("qps too high", _huge_qps, "configuration.qps: expected a number > 0 and <= 1,000,000"),
+    ("unknown key", _unknown_key, "configuration.duration: not a setting; did you mean"),
+    ("endless burst", _endless_burst, "arguments.duration_s: expected a number > 0 and <= 900"),
+    ("huge factor", _huge_factor, "arguments.factor: expected a number > 0 and <= 100, got"),
+    ("bad foreign list", _bad_foreign, "extensions.llmchaos.foreign_configuration: expected"),
     ("unknown variant", _set_variant, "unknown variant 'shiny'; expected one of: hardened"),
     (
         "missing tolerance",
@@ -101,14 +139,67 @@ def test_a_bad_experiment_names_the_field(tmp_path: Path, mutate: Mutation, mess
     assert any(message in p for p in problems), problems
 
 
+NOT_AN_EXPERIMENT = [
+    ("empty.json", "", "empty file; expected a Chaos Toolkit experiment"),
+    ("blank.yaml", "\n\n", "empty file; expected a Chaos Toolkit experiment"),
+    ("list.json", "[1, 2]", "a list, not an object; expected a Chaos Toolkit experiment"),
+    ("number.json", "42", "a number, not an object"),
+    ("null.json", "null", "null, not an object"),
+    ("list.yaml", "- a\n- b\n", "a list, not an object"),
+    ("broken.json", '{"title": ', "not JSON: "),
+    ("broken.yaml", "title: [unclosed\n", "not YAML (line 2): "),
+    ("deep.json", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("experiment.txt", "{}", "Chaos Toolkit reads .json, .yaml and .yml experiments, not '.txt'"),
+]
+
+
 def test_unreadable_and_non_json_files_are_one_line(tmp_path: Path) -> None:
     assert validate_experiment_file(tmp_path / "missing.json") == [
         "cannot read the file: No such file or directory"
     ]
-    broken = tmp_path / "broken.json"
-    broken.write_text('{"title": ')
-    (problem,) = validate_experiment_file(broken)
-    assert problem.startswith("not JSON: ")
+    for name, text, message in NOT_AN_EXPERIMENT:
+        path = tmp_path / name
+        path.write_text(text)
+        (problem,) = validate_experiment_file(path)
+        assert problem.startswith(message), (name, problem)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"), NOT_AN_EXPERIMENT, ids=[c[0] for c in NOT_AN_EXPERIMENT]
+)
+def test_chaos_run_says_the_same_in_one_line(
+    tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    """Chaos Toolkit itself prints a traceback for most of these; the llmchaos plugin of its
+    command line gives the line `llmchaos validate` gives."""
+    path = tmp_path / name
+    path.write_text(text)
+    result = chaos_run(path, tmp_path / "journal.json", timeout_s=60)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"{path}: {message}" in result.stderr
+
+
+def test_a_yaml_experiment_is_checked_like_its_json_twin(tmp_path: Path) -> None:
+    experiment = json.loads(GPU_KILL.read_text())
+    path = tmp_path / "gpu_kill.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    assert validate_experiment_file(path) == []
+    _set_worker(experiment)
+    path.write_text(yaml.safe_dump(experiment))
+    assert any("unknown GPU worker 'gpu-9'" in p for p in validate_experiment_file(path))
+
+
+def test_keys_for_other_extensions_are_declared(tmp_path: Path) -> None:
+    experiment = json.loads(GPU_KILL.read_text())
+    experiment["configuration"]["prometheus_base_url"] = "http://prometheus:9090"
+    path = tmp_path / "with_prometheus.json"
+    path.write_text(json.dumps(experiment))
+    (problem,) = validate_experiment_file(path)
+    assert problem.startswith("configuration.prometheus_base_url: not a setting")
+    experiment["extensions"][0]["foreign_configuration"] = ["prometheus_base_url"]
+    path.write_text(json.dumps(experiment))
+    assert validate_experiment_file(path) == []
 
 
 @pytest.mark.parametrize(
@@ -116,7 +207,7 @@ def test_unreadable_and_non_json_files_are_one_line(tmp_path: Path) -> None:
     [
         (_set_worker, "unknown GPU worker 'gpu-9'"),
         (_set_variant, "unknown variant 'shiny'"),
-        (_set_qps, "qps: expected a number > 0"),
+        (_set_qps, "qps: expected a number > 0 and <= 1,000,000"),
     ],
     ids=["worker", "variant", "qps"],
 )
@@ -234,3 +325,56 @@ def test_slos_and_slas_from_the_environment_are_numbers(
     monkeypatch.setenv("LLMCHAOS_SLA_S", "soon")
     problems = validate_experiment_file(GPU_KILL)
     assert any("sla_s: expected a number, got 'soon'" in p for p in problems), problems
+
+
+class _Opened(Exception):
+    """The control got past every check and opened the run."""
+
+
+setting_values = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**15), 10**15)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from(["1e9", "-0", "nan", "inf", "5000", "hardened", "k8s", "0x10", "1_000"])
+    | st.lists(st.integers(), max_size=2)
+)
+SETTING_KEYS = [*sorted(f.name for f in dataclasses.fields(RunSettings)), "duration", "sla", "x"]
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(changes=st.dictionaries(st.sampled_from(SETTING_KEYS), setting_values, max_size=3))
+def test_fuzzed_configurations_are_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, changes: dict[str, Any]
+) -> None:
+    """Whatever the configuration, `llmchaos validate` gives lines, never a traceback; and
+    the control, given the same experiment under `chaos run`, refuses with the same words
+    before it opens a run (let alone starts a stack) whenever the file is invalid."""
+    experiment = copy.deepcopy(BASE)
+    experiment["configuration"].update(changes)
+    path = tmp_path / "fuzzed.json"
+    path.write_text(json.dumps(experiment))
+    for name in [*changes, "target", "variant", "qps", "sla_s"]:
+        monkeypatch.delenv(f"LLMCHAOS_{name.upper()}", raising=False)
+    problems = validate_experiment_file(path)  # must not raise
+    assert all(p.strip() and "Traceback" not in p for p in problems)
+
+    def must_not_open(*args: Any, **kwargs: Any) -> None:
+        raise _Opened
+
+    monkeypatch.setattr(ChaosRun, "open", must_not_open)
+    try:
+        configuration = load_configuration(experiment["configuration"])
+    except Exception:  # Chaos Toolkit itself stops there, before any control
+        return
+    with pytest.raises(InterruptExecution) as refused:
+        control.before_experiment_control(experiment, configuration, name="fuzzed")
+    message = str(refused.value)
+    opened = "_Opened" in message
+    ours = [p for p in problems if not p.startswith("Chaos Toolkit")]
+    assert opened == (not ours), (message, problems)
+    if not opened:
+        assert any(p in message for p in ours), (message, ours)

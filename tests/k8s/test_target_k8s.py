@@ -18,7 +18,7 @@ from chaoslib.configuration import load_configuration
 from conftest import REPO, StackFactory, chaos_run
 from llmchaos.backends.kubernetes import KubernetesBackend
 from llmchaos.faults import kill_gpu_process, partition_node
-from llmchaos.run import ChaosRun, abandon_dead_runs, planned_target
+from llmchaos.run import ChaosRun, finish_dead_runs, planned_target
 from llmchaos.settings import RunSettings
 from llmchaos.validation import check_experiment
 from tests.k8s.conftest import NS, Emulator, ExecResult
@@ -48,7 +48,7 @@ def test_the_catalogues_names_map_to_the_clusters(cluster: object, kubeconfig: P
     for name in ("gpu_kill", "node_partition", "gateway_crash", "gpu_kill_all"):
         experiment = json.loads((REPO / "experiments" / f"{name}.json").read_text())
         configuration = load_configuration(experiment["configuration"])
-        assert check_experiment(experiment, configuration, info) == [], name
+        assert check_experiment(experiment, configuration, info, settings) == [], name
 
 
 def test_faults_go_through_the_cluster_and_a_dead_runs_are_undone_by_cleanup(
@@ -74,7 +74,7 @@ def test_faults_go_through_the_cluster_and_a_dead_runs_are_undone_by_cleanup(
         data = json.loads((run.run_dir / "run.json").read_text())
         data["pid"], data["pid_start_ticks"] = 999_999, -1
         (run.run_dir / "run.json").write_text(json.dumps(data))
-        lines = abandon_dead_runs(tmp_path / "runs")
+        lines = finish_dead_runs(tmp_path / "runs").lines
         assert any("partition_node(node-b): undone by cleanup" in line for line in lines), lines
         assert not run.ledger.open_faults()
         deletes = [p for m, p in emulator.requests if m == "DELETE" and "networkpolicies" in p]

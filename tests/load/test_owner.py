@@ -3,18 +3,23 @@ and stray load processes can be found in /proc."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from conftest import signal_and_wait
+from llmchaos import processes
 from llmchaos.errors import InvalidInput
-from llmchaos.load import LoadConfig, LoadRun, procs
+from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.api import check_config, find_load_processes
-from llmchaos.load.procs import Owner, start_ticks
+from llmchaos.processes import Owner, start_ticks
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
@@ -29,24 +34,24 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
 def test_owner_is_gone_once_killed_even_before_it_is_reaped():
     child = subprocess.Popen(["sleep", "30"])
     try:
-        owner = Owner(child.pid)
-        assert not owner.gone()
+        owner = Owner.of(child.pid)
+        assert owner.alive()
         child.kill()
         # Not reaped yet: a zombie is dead all the same.
-        assert _wait_for(owner.gone, 5.0)
+        assert _wait_for(lambda: not owner.alive(), 5.0)
         assert start_ticks(child.pid) is None
     finally:
         child.kill()
         child.wait()
-    assert owner.gone()
+    assert not owner.alive()
 
 
 def test_owner_whose_pid_was_reused_is_gone(monkeypatch):
-    monkeypatch.setattr(procs, "start_ticks", lambda pid: 1000)
-    owner = Owner(os.getpid())
-    assert not owner.gone()
-    monkeypatch.setattr(procs, "start_ticks", lambda pid: 2000)  # another process, same pid
-    assert owner.gone()
+    monkeypatch.setattr(processes, "start_ticks", lambda pid: 1000)
+    owner = Owner.of(os.getpid())
+    assert owner.alive()
+    monkeypatch.setattr(processes, "start_ticks", lambda pid: 2000)  # another process, same pid
+    assert not owner.alive()
 
 
 @pytest.mark.parametrize(
@@ -102,3 +107,27 @@ def test_load_stops_itself_when_its_owner_is_killed(fake_server, tmp_path):
     assert summary.achieved_qps == pytest.approx(50, rel=0.15), summary
     assert _wait_for(lambda: not ours & set(find_load_processes()), 5.0)
     assert "owner process" in (run_dir / "locust.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_llmchaos_load_stops_cleanly_on_a_signal(fake_server, tmp_path, sig, busy_cores):
+    """Ctrl-C or SIGTERM to `llmchaos load`: the load drains, the summary is printed, the
+    accounting closes and no load process is left, with every core busy."""
+    server = fake_server()
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "llmchaos.cli", "load", "--url", server.url, "--qps", "40"]
+    argv += ["--duration", "120", "--profile", "constant", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: (run_dir / "timeline.jsonl").exists(), 60.0)
+        time.sleep(2.0)
+        out, err, took_s = signal_and_wait(proc, sig, 60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+    assert took_s < 20, took_s
+    summary = json.loads(out)
+    assert summary["scheduled"] > 0 and summary["accounting_closed"], summary
+    assert not [p for p, d in find_load_processes().items() if d == str(run_dir.resolve())]

@@ -19,12 +19,13 @@ import pytest
 import redis
 from openai import OpenAI
 
+from llmchaos.processes import pid_alive
 from llmchaos.stack import netns
 from llmchaos.stack.cleanup import cleanup, leftovers
-from llmchaos.stack.procs import find_stack_processes, http_get_status, pid_alive
+from llmchaos.stack.procs import find_stack_processes, http_get_status
 from llmchaos.stack.stack import restart_gateway
 from llmchaos.stack.tokens import make_text
-from llmchaos.stack.topology import Topology, read_agent_state
+from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
 from tests.stack.stack_client import Reply, Traffic, chat, valid_token
 
 pytestmark = pytest.mark.slow
@@ -316,7 +317,8 @@ def _flush_and_burst(topology: Topology, tokens: list[str], requests: int) -> tu
 
     Returns (Redis misses, SQLite lookups) that the burst caused.
     """
-    client = redis.Redis.from_url(topology.redis_url)
+    password = read_secrets(Path(topology.state_dir)).redis_password
+    client = redis.Redis.from_url(topology.redis_url, password=password)
     for key in client.scan_iter("token:*"):
         client.delete(key)
     before = _gateway_counter(topology, _MISSES), _gateway_counter(topology, _LOOKUPS)
@@ -387,7 +389,7 @@ def test_stack_down_leaves_nothing(stack_factory) -> None:  # type: ignore[no-un
     assert find_stack_processes(topology.stack_id)
     stop_stack(topology)
     left = leftovers(topology.stack_id)
-    assert left.empty, left.lines()
+    assert left.empty, left.summary()
     assert Topology.load(Path(topology.state_dir)).status == "stopped"
 
 
@@ -395,7 +397,7 @@ def test_cleanup_after_kill_9_leaves_nothing(stack_factory) -> None:  # type: ig
     topology = stack_factory()
     for pid in find_stack_processes(topology.stack_id):
         os.kill(pid, signal.SIGKILL)
-    report = cleanup(Path(topology.state_dir).parent, topology.stack_id)
+    report = cleanup(Path(topology.state_dir).parent, [topology.stack_id])
     assert topology.stack_id in report.stacks_marked_stopped
     left = leftovers(topology.stack_id)
-    assert left.empty, left.lines()
+    assert left.empty, left.summary()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import random
 import sqlite3
@@ -32,7 +33,7 @@ from redis.exceptions import RedisError
 
 from llmchaos.errors import StackError
 from llmchaos.stack.gateway.metrics import GatewayMetrics
-from llmchaos.stack.settings import GatewaySettings
+from llmchaos.stack.settings import REDIS_PASSWORD_ENV, GatewaySettings
 
 __all__ = ["KEY_PREFIX", "NEGATIVE_ENTRY", "TokenAuthenticator", "TokenDb"]
 
@@ -130,6 +131,7 @@ class TokenAuthenticator:
         # redis-py's per-read ones.
         pool = aioredis.ConnectionPool.from_url(
             settings.redis_url,
+            password=os.environ.get(REDIS_PASSWORD_ENV) or None,
             max_connections=_REDIS_MAX_CONNECTIONS,
             socket_connect_timeout=settings.redis_timeout_s,
             socket_timeout=None,

@@ -1,0 +1,124 @@
+"""Processes seen through /proc (Linux): alive or not, who owns what, marked processes.
+
+    Owner.this_process("run", run_dir)   # a stack or load belongs to this chaos run
+    owner.alive()                        # same pid *and* same start time: a reused pid is not it
+    find_marked("LLMCHAOS_LOAD")         # pid -> marker value, from /proc/<pid>/environ
+
+Plain Python (no gevent, no asyncio): the stack, the load and the run layer all use it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["Owner", "OwnerKind", "find_marked", "pid_alive", "start_ticks"]
+
+
+def start_ticks(pid: int) -> int | None:
+    """Start time of the live process `pid` (clock ticks after boot); None when there is no
+    such process or it is a zombie (dead, not yet reaped by its parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    # After the command name (in parentheses, may hold spaces): field 3 (state) onwards.
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])  # field 22: starttime
+
+
+def pid_alive(pid: int) -> bool:
+    """True when `pid` exists and is not a zombie."""
+    return start_ticks(pid) is not None
+
+
+OwnerKind = Literal["run", "user"]
+"""run: a chaos run (or a load) that ends with its process; user: a `stack up` stack, which
+lives until someone stops it (`stack down`, `cleanup --stack ID`)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whom a stack, a load or a run folder belongs to."""
+
+    kind: OwnerKind
+    pid: int
+    """The process that started it (for a `user` stack: `stack up`, gone once it is up)."""
+    start_ticks: int | None
+    """Its start time: with the pid, it names one process even after the pid is reused."""
+    run_dir: str | None = None
+    """The chaos run's folder, for kind run."""
+
+    @classmethod
+    def of(cls, pid: int, kind: OwnerKind = "run", run_dir: str | None = None) -> Owner:
+        """Process `pid` as it is now (its start time read from /proc)."""
+        return cls(kind, pid, start_ticks(pid), run_dir)
+
+    @classmethod
+    def this_process(cls, kind: OwnerKind, run_dir: str | None = None) -> Owner:
+        return cls.of(os.getpid(), kind, run_dir)
+
+    def alive(self) -> bool:
+        """The starting process still runs (not a zombie, not a reused pid)."""
+        return self.start_ticks is not None and start_ticks(self.pid) == self.start_ticks
+
+    def describe(self) -> str:
+        state = "alive" if self.alive() else "gone"
+        if self.kind == "run":
+            return f"chaos run pid {self.pid} ({state}), run folder {self.run_dir or '-'}"
+        return f"`llmchaos stack up` (pid {self.pid}, {state})"
+
+    def to_marker(self) -> str:
+        """One line for an environment variable: kind:pid:start_ticks."""
+        return f"{self.kind}:{self.pid}:{self.start_ticks if self.start_ticks is not None else ''}"
+
+    @classmethod
+    def from_marker(cls, text: str) -> Owner | None:
+        """The owner a marker names; None for anything else."""
+        kind, _, rest = text.partition(":")
+        pid, _, ticks = rest.partition(":")
+        if kind not in ("run", "user") or not pid.isdigit():
+            return None
+        return cls(kind, int(pid), int(ticks) if ticks.isdigit() else None)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Owner | None:
+        """The owner recorded in a state file; None when it is not one."""
+        try:
+            owner = cls(
+                data["kind"],
+                int(data["pid"]),
+                None if data.get("start_ticks") is None else int(data["start_ticks"]),
+                data.get("run_dir"),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        return owner if owner.kind in ("run", "user") else None
+
+
+def find_marked(name: str) -> dict[int, str]:
+    """pid -> value of environment variable `name`, for every process carrying it that this
+    user may read, except this process. Processes that end meanwhile are skipped."""
+    prefix = name.encode() + b"="
+    me = os.getpid()
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            # A zombie's environ is empty, so ended processes are not found.
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # ended meanwhile, or another user's
+            continue
+        for item in environ.split(b"\0"):
+            if item.startswith(prefix):
+                found[int(entry.name)] = item[len(prefix) :].decode(errors="replace")
+                break
+    return found
