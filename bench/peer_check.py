@@ -241,7 +241,7 @@ def print_table(rows: list[tuple[str, float, Figures, Figures, Figures | None]])
                 expected = f"{script[metric][i]:8.1f}" if script else ""
                 print(
                     f"{target:<16}{rate:>5g}  {metric:<5}{q:>4} {mine:10.2f} {theirs:10.2f} "
-                    f"{ratio} {expected}"
+                    f"{ratio} {expected}".rstrip()
                 )
 
 
