@@ -23,7 +23,6 @@ import contextlib
 import errno
 import logging
 import os
-import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +33,7 @@ import gevent.socket
 
 from llmchaos.load.http1 import BadResponse, NoResponse, ResponseParser
 from llmchaos.load.responses import Answer, SseReader, classify
+from llmchaos.load.stamps import ANCILLARY_BYTES, SO_TIMESTAMPNS, receive_time
 
 __all__ = ["Client", "Exchange"]
 
@@ -41,12 +41,6 @@ logger = logging.getLogger(__name__)
 
 _READ, _WRITE = 1, 2  # libev/libuv event bits
 _RECV_BYTES = 65536
-_SO_TIMESTAMPNS = 35
-"""Linux's SO_TIMESTAMPNS (= SCM_TIMESTAMPNS; the socket module does not name it): recvmsg
-then tells when the kernel received the bytes, so a read that comes late (the process was
-not scheduled: a busy machine) still times the chunk when it arrived."""
-_ANC_BYTES = _socket.CMSG_SPACE(16)
-_TIMESPEC = struct.Struct("qq")
 SWEEP_S = 0.01
 """Period of the timeout sweep: a request times out between timeout_s and this much later."""
 _CONNECTING = (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN)
@@ -168,8 +162,10 @@ class Client:
         try:
             sock.setblocking(False)
             sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
-            with contextlib.suppress(OSError):  # not Linux: receive times are read times
-                sock.setsockopt(_socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+            # chunk times are when the kernel got them, not when this process got to read
+            # them (scheduled late on a busy machine); not Linux: read times
+            with contextlib.suppress(OSError):
+                sock.setsockopt(_socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
             err = sock.connect_ex(addr)
             if err and err not in _CONNECTING:
                 raise OSError(err, os.strerror(err))
@@ -257,7 +253,7 @@ class _Conn:
         ex = self.exchange
         client = self.client
         try:
-            data, ancillary, _, _ = self.sock.recvmsg(_RECV_BYTES, _ANC_BYTES)
+            data, ancillary, _, _ = self.sock.recvmsg(_RECV_BYTES, ANCILLARY_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -271,7 +267,7 @@ class _Conn:
             return
         try:
             parser = ex.parser
-            now = _arrival(ancillary)
+            now = receive_time(ancillary) or time.monotonic()
             if not (parser.feed(data, now) if data else parser.eof()):
                 return
             reusable = bool(data) and parser.keep_alive and not parser.trailing and not self.out
@@ -283,13 +279,3 @@ class _Conn:
         except Exception:
             logger.exception("unexpected error while reading an answer")
             client.fail(ex, "connection")
-
-
-def _arrival(ancillary: list[tuple[int, int, bytes]]) -> float:
-    """When the kernel received the bytes just read (monotonic s), from SO_TIMESTAMPNS; the
-    read time when there is none. For several chunks in one read it is the last one's."""
-    for level, kind, raw in ancillary:
-        if level == _socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(raw) >= 16:
-            seconds, nanoseconds = _TIMESPEC.unpack_from(raw)
-            return seconds + nanoseconds * 1e-9 - (time.time() - time.monotonic())
-    return time.monotonic()

@@ -26,11 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from llmchaos.load.stamps import ANCILLARY_BYTES, SO_TIMESTAMPNS, receive_time
 
 
 def sse(body: dict[str, object]) -> bytes:
@@ -42,18 +43,10 @@ def chunk(delta: dict[str, object], finish: str | None = None) -> bytes:
     return sse({"object": "chat.completion.chunk", "choices": [choice]})
 
 
-_SO_TIMESTAMPNS = 35  # Linux; the socket module does not name it
-_TIMESPEC = struct.Struct("qq")
-
-
 def _arrival(sock: socket.socket) -> float:
     """Kernel receive time (monotonic s) of the next bytes on `sock`, waiting for them."""
-    _, ancillary, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(16), socket.MSG_PEEK)
-    for level, kind, raw in ancillary:
-        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(raw) >= 16:
-            seconds, nanoseconds = _TIMESPEC.unpack_from(raw)
-            return seconds + nanoseconds * 1e-9 - (time.time() - time.monotonic())
-    return time.monotonic()
+    _, ancillary, _, _ = sock.recvmsg(1, ANCILLARY_BYTES, socket.MSG_PEEK)
+    return receive_time(ancillary) or time.monotonic()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -66,7 +59,7 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.connection.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        self.connection.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
 
     def handle_one_request(self) -> None:
         try:

@@ -15,12 +15,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from llmchaos.load.stamps import ANCILLARY_BYTES, SO_TIMESTAMPNS, receive_time
+
 __all__ = ["WireClock"]
 
 _ETH_P_ALL = 0x0003
 _PACKET_OUTGOING = 4  # loopback shows every packet twice: keep the incoming copy
-_SO_TIMESTAMPNS = 35  # Linux; the socket module does not name it
-_TIMESPEC = struct.Struct("qq")
 _TOKENS = (b'"content":"tok"', b'"content":" tok"')
 
 
@@ -41,7 +41,7 @@ class WireClock:
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(_ETH_P_ALL))
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        self._sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        self._sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         self._sock.bind(("lo", 0))
         self._sock.settimeout(0.1)
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -76,20 +76,12 @@ class WireClock:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                data, ancillary, _, address = self._sock.recvmsg(65536, socket.CMSG_SPACE(16))
+                data, ancillary, _, address = self._sock.recvmsg(65536, ANCILLARY_BYTES)
             except TimeoutError:
                 continue
             if address[2] == _PACKET_OUTGOING or data[12:14] != b"\x08\x00":
                 continue
-            stamp = next(
-                (
-                    sec + nsec * 1e-9
-                    for level, kind, raw in ancillary
-                    if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS
-                    for sec, nsec in [_TIMESPEC.unpack_from(raw)]
-                ),
-                time.time(),
-            )
+            stamp = receive_time(ancillary) or time.monotonic()
             ip = data[14:]
             if ip[9] != socket.IPPROTO_TCP:
                 continue
