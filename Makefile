@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NODE_STAMP := node_modules/.installed-stamp
 
-.PHONY: setup system-deps litellm demo test gameday lint bench clean
+.PHONY: setup system-deps litellm demo test gameday lint bench clean k8s-bin
 
 setup: system-deps $(STAMP) $(NODE_STAMP) litellm
 
@@ -37,10 +37,15 @@ demo: setup
 
 # The framework's own tests, then the catalogue as a resilience suite (Allure results in
 # reports/allure-results/). pytest's exit code 5 (nothing collected) fails here like any other.
-test: setup
+test: setup k8s-bin
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
 	$(BIN)/python -m pytest suites -m resilience
+
+# The Kubernetes control plane tests/k8s/ runs against, built from Go modules once into
+# ~/.cache/llmchaos/k8s/<version>/ (about 16 min cold on 2 cores), skipped when there.
+k8s-bin:
+	scripts/build-k8s.sh
 
 # The nightly game day: the suite, then the Allure report with trends (reports/gameday/latest/).
 gameday: setup

@@ -1,6 +1,7 @@
 """How many short requests one gateway process proxies, and its CPU cost per request.
 
     .venv/bin/python bench/gateway_throughput.py [--duration-s 5] [--concurrency 64]
+                                                 [--prompt-tokens 3]
 
 Starts a throwaway redis-server, a SQLite token table, a trivial upstream worker (a fixed
 JSON answer, no engine) and one gateway on 127.0.0.1, then drives the gateway closed-loop
@@ -30,9 +31,16 @@ from _common import free_port, wait_http_ok
 from llmchaos.stack.settings import GatewaySettings, UpstreamWorker, write_settings
 
 _TOKENS = [f"sk-bench-{i:03d}" for i in range(100)]
-_BODY = json.dumps(
-    {"model": "llmchaos-7b", "messages": [{"role": "user", "content": "one two three"}]}
-).encode()
+
+
+def _body(prompt_tokens: int) -> bytes:
+    """A chat request whose user message has `prompt_tokens` words (3: "one two three")."""
+    content = "one two three" if prompt_tokens == 3 else " ".join(["word"] * prompt_tokens)
+    return json.dumps(
+        {"model": "llmchaos-7b", "messages": [{"role": "user", "content": content}]}
+    ).encode()
+
+
 _ANSWER = json.dumps(
     {
         "id": "chatcmpl-bench",
@@ -70,7 +78,7 @@ def _serve_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-async def _drive(url: str, concurrency: int, duration_s: float) -> list[float]:
+async def _drive(url: str, concurrency: int, duration_s: float, body: bytes) -> list[float]:
     latencies_s: list[float] = []
     deadline = time.monotonic() + duration_s
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -83,7 +91,7 @@ async def _drive(url: str, concurrency: int, duration_s: float) -> list[float]:
             }
             while time.monotonic() < deadline:
                 start = time.monotonic()
-                async with session.post(url, data=_BODY, headers=headers) as resp:
+                async with session.post(url, data=body, headers=headers) as resp:
                     await resp.read()
                     if resp.status != 200:
                         raise RuntimeError(f"{url} answered {resp.status}")
@@ -93,12 +101,14 @@ async def _drive(url: str, concurrency: int, duration_s: float) -> list[float]:
     return latencies_s
 
 
-def _measure(url: str, pids: dict[str, int], concurrency: int, duration_s: float) -> None:
+def _measure(
+    url: str, pids: dict[str, int], concurrency: int, duration_s: float, body: bytes
+) -> None:
     import uvloop
 
     cpu_before_s = {name: process_cpu_s(pid) for name, pid in pids.items()}
     wall_start = time.monotonic()
-    latencies_s = sorted(uvloop.run(_drive(url, concurrency, duration_s)))
+    latencies_s = sorted(uvloop.run(_drive(url, concurrency, duration_s, body)))
     wall_s = time.monotonic() - wall_start
     n = len(latencies_s)
     if not n:
@@ -131,6 +141,9 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=5.0, help="per run (max 8)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
     parser.add_argument("--no-baseline", action="store_true", help="skip the direct run")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=3, help="words in the request's message"
+    )
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:
@@ -188,6 +201,7 @@ def main() -> int:
                     {"upstream": upstream.pid},
                     args.concurrency,
                     duration_s,
+                    _body(args.prompt_tokens),
                 )
             print("through the gateway:")
             _measure(
@@ -195,6 +209,7 @@ def main() -> int:
                 {"gateway": gateway.pid, "upstream": upstream.pid},
                 args.concurrency,
                 duration_s,
+                _body(args.prompt_tokens),
             )
         finally:
             for proc in reversed(procs):

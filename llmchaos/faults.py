@@ -16,6 +16,7 @@ from llmchaos.settings import argument_ranges
 
 __all__ = [
     "crash_gateway",
+    "drain_node",
     "expire_token_cache",
     "heal_partition",
     "inject_burst",
@@ -58,6 +59,21 @@ def heal_partition(run: ChaosRun, node: str) -> str:
     run.target.heal_partition(real)
     run.ledger.close_matching(Undo("heal_partition", {"node": real}), by="heal_partition")
     return real
+
+
+def drain_node(run: ChaosRun, node: str) -> dict[str, Any]:
+    """Cordon `node` and evict the stack's pods from it (a node taken for maintenance); it
+    is uncordoned at the run's end, unless it was cordoned before the fault."""
+    info = run.target.info()
+    real = info.node_name(node)
+    if not info.drains_supported:
+        raise InvalidInput(f"drain_node: the {run.settings.target} target has no nodes to drain")
+    undo = Undo("uncordon_node", {"node": real})
+    with run.fault("drain_node", real, undo) as details:
+        details.update(run.target.drain_node(real))
+    if details.get("was_unschedulable"):
+        run.ledger.close_matching(undo, by="nobody: it was cordoned before the fault")
+    return dict(details)
 
 
 def crash_gateway(run: ChaosRun, gateway: str = "primary") -> list[str]:

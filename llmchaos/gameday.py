@@ -32,7 +32,7 @@ from typing import Any
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.report.summary import RunResult
 from llmchaos.signals import held
-from llmchaos.targets import DEFAULT_VARIANT
+from llmchaos.targets import DEFAULT_VARIANT, KINDS
 
 __all__ = ["ALLURE_CATEGORIES", "SUITES", "GamedayResult", "run_gameday"]
 
@@ -98,8 +98,8 @@ def run_gameday(
     unknown suite or target; Allure missing is reported in the result (report None)."""
     if suite not in SUITES:
         raise InvalidInput(f"--suite: unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
-    if target not in ("embedded", "k8s"):
-        raise InvalidInput(f"--target: expected embedded or k8s, got {target!r}")
+    if target not in KINDS:
+        raise InvalidInput(f"--target: expected one of {', '.join(KINDS)}, got {target!r}")
     root = root.resolve()
     folder = root / time.strftime("%Y%m%d-%H%M%S")
     results = folder / "allure-results"

@@ -271,6 +271,20 @@ class ChaosRun:
         self.load_start_ts = self.load.wait_started()
         return self.load
 
+    def start_cluster_load(self, qps: float) -> dict[str, Any] | None:
+        """Start the target's own load workers for `qps` when it has them (a cluster's Locust
+        worker Deployment), recorded in the ledger first so the run's end or `llmchaos
+        cleanup` removes them; None when this machine sends the whole rate. The control does
+        not call it yet: the workers must join this run's Locust master (issue 12's load
+        beyond one machine) before their requests count."""
+        planned = self._backend().plan_load_workers(qps)
+        if planned is None:
+            return None
+        name, undo = planned
+        with self.fault("cluster_load", name, undo) as details:
+            details.update(self._backend().run_load_workers(qps))
+        return dict(details)
+
     def warm_up(self) -> None:
         """Let the load run `warmup_s` before the first steady-state check."""
         remaining_s = (self.load_start_ts or time.time()) + self.settings.warmup_s - time.time()

@@ -80,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     gameday.add_argument(
         "--target",
         default="embedded",
-        choices=["embedded", "k8s"],
+        choices=sorted(KINDS),
         help="the target every experiment runs against (default embedded)",
     )
     gameday.add_argument("--select", metavar="EXPR", help="only tests matching this pytest -k")

@@ -236,6 +236,8 @@ def _check_activity(
             info.gpu_workers(str(given.get("worker", "")), str(given.get("node", "")))
         except InvalidInput as exc:
             problems.append(f"{place}.arguments: {exc}")
+    if func_name == "drain_node" and not info.drains_supported:
+        problems.append(f"{place}: drain_node needs a target with nodes to drain (a cluster)")
     if func_name == "partition_node" and not info.partitions_supported:
         problems.append(
             f"{place}: partition_node needs nodes as network namespaces (run as root with "

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install the system packages the embedded stack, its tests, the hosts target's nginx example
-# and the game-day report (Allure on Node, checked in headless Chromium) need, when missing.
+# and the game-day report (Allure on Node, checked in headless Chromium) need, when they are
+# missing; openssl makes the certificates of the Kubernetes tests' control plane.
 # Safe to run again: it installs nothing when everything is there.
 set -euo pipefail
-declare -A package_of=([redis-server]=redis-server [haproxy]=haproxy [nginx]=nginx [iptables]=iptables [ip]=iproute2 [prometheus]=prometheus [chromium]=chromium [node]=nodejs [npm]=npm)
+declare -A package_of=([redis-server]=redis-server [haproxy]=haproxy [nginx]=nginx [iptables]=iptables [ip]=iproute2 [prometheus]=prometheus [chromium]=chromium [node]=nodejs [npm]=npm [openssl]=openssl)
 missing=()
 for tool in "${!package_of[@]}"; do
   command -v "$tool" >/dev/null 2>&1 || [[ -x /usr/sbin/$tool || -x /sbin/$tool ]] || missing+=("${package_of[$tool]}")

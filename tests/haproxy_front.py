@@ -28,8 +28,9 @@ def haproxy_in_front(backend_port: int, state_dir: Path) -> Iterator[str]:
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / "haproxy.cfg"
     path.write_text(config)
-    owner = Owner.this_process("run")  # this test: a cleanup leaves it alone while it runs
-    process = start_haproxy(path, state_dir, f"test-haproxy-{port}", owner)
+    # owned by this test process: a cleanup removes it only once the test run is gone
+    owner = Owner.this_process("run")
+    process = start_haproxy(path, state_dir, stack_id=f"test-haproxy-{port}", owner=owner)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 10.0

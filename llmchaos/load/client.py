@@ -33,6 +33,7 @@ import gevent.socket
 
 from llmchaos.load.http1 import BadResponse, NoResponse, ResponseParser
 from llmchaos.load.responses import Answer, SseReader, classify
+from llmchaos.load.stamps import ANCILLARY_BYTES, SO_TIMESTAMPNS, receive_time
 
 __all__ = ["Client", "Exchange"]
 
@@ -161,6 +162,10 @@ class Client:
         try:
             sock.setblocking(False)
             sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+            # chunk times are when the kernel got them, not when this process got to read
+            # them (scheduled late on a busy machine); not Linux: read times
+            with contextlib.suppress(OSError):
+                sock.setsockopt(_socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
             err = sock.connect_ex(addr)
             if err and err not in _CONNECTING:
                 raise OSError(err, os.strerror(err))
@@ -248,7 +253,7 @@ class _Conn:
         ex = self.exchange
         client = self.client
         try:
-            data = self.sock.recv(_RECV_BYTES)
+            data, ancillary, _, _ = self.sock.recvmsg(_RECV_BYTES, ANCILLARY_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -262,7 +267,7 @@ class _Conn:
             return
         try:
             parser = ex.parser
-            now = time.monotonic()
+            now = receive_time(ancillary) or time.monotonic()
             if not (parser.feed(data, now) if data else parser.eof()):
                 return
             reusable = bool(data) and parser.keep_alive and not parser.trailing and not self.out

@@ -189,7 +189,7 @@ def prometheus_text(source: LiveSource) -> str:
             "tpot_ms",
             "Time per output token after the first, (e2e - TTFT) / (tokens - 1), last 10 s",
         ),
-        ("schedule_lag_ms", "Send start minus scheduled time, last 10 s"),
+        ("schedule_lag_ms", "Request on the socket minus scheduled time, last 10 s"),
     ):
         metric(
             name,

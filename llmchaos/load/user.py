@@ -173,10 +173,12 @@ class _Sender:
         self.client = Client(host, port, config.timeout_s, self._done)
 
     def send(self, sec: int, due: float) -> None:
-        self.recorder.sent(sec, (time.monotonic() - due) * 1000.0)
         spec = self.traffic.next_request()
         exchange = Exchange(sec, due, spec.tenant, spec.stream)
         self.client.request(request_head(self.path, self.host_header, spec) + spec.body, exchange)
+        # the lag is taken once the request is on the socket: a preemption while it was
+        # being built is lag too, not time the target took
+        self.recorder.sent(sec, (time.monotonic() - due) * 1000.0)
 
     def _done(self, ex: Exchange, answer: Answer, mode: str | None, now: float) -> None:
         latency_ms = (now - ex.due) * 1000.0

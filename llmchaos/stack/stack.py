@@ -312,8 +312,7 @@ def _start_nodes(
             state_path=str(state_dir / f"agent-{node}.state.json"),
             restart_delay_s=config.restart_delay_s,
             workers=tuple(
-                AgentWorker(w.name, w.settings_path, w.log_path, f"{w.url}/healthz")
-                for w in infos
+                AgentWorker(w.name, w.settings_path, w.log_path, f"{w.url}/healthz") for w in infos
             ),
         )
         agent_path = write_settings(agent_settings, state_dir / f"agent-{node}.json")

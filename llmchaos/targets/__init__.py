@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from llmchaos.configuration import build_settings, settings_from_record, settings_keys
 from llmchaos.errors import InvalidInput
-from llmchaos.ledger import FaultLedger
+from llmchaos.ledger import FaultLedger, Undo
 from llmchaos.processes import Owner
 
 __all__ = [
@@ -97,6 +97,8 @@ class TargetInfo:
     gateways: tuple[str, ...]
     partitions_supported: bool
     """False when nodes cannot be cut off (embedded stack without network namespaces)."""
+    drains_supported: bool = False
+    """True when nodes can be drained (cordoned, their pods evicted): a cluster."""
     aliases: dict[str, str] = field(default_factory=dict)
     """The embedded stack's names (gpu-0, node-a, primary) for this target's own ones (pod
     and node names), so the catalogue runs unchanged on a cluster."""
@@ -234,6 +236,12 @@ class Target(ABC):
     def restore_gateway(self, gateway: str) -> None:
         """Start `gateway` again if it is not running and wait for it. Idempotent."""
 
+    def drain_node(self, node: str) -> dict[str, Any]:
+        """Cordon `node` and evict the stack's pods from it (undo: `uncordon_node`); returns
+        what was done, with "was_unschedulable" when it was cordoned before. InvalidInput on
+        targets without nodes to drain (TargetInfo.drains_supported)."""
+        raise InvalidInput(f"drain_node: {type(self).__name__} has no nodes to drain")
+
     @abstractmethod
     def expire_token_cache(self, ttl_s: float) -> int:
         """Delete every cached token (ttl_s = 0) or set its TTL to `ttl_s`; returns the
@@ -254,6 +262,17 @@ class Target(ABC):
         `node`, `rescheduling_time_s` (death until restarted), `readiness_time_s` (restarted
         until ready) and `total_recovery_time_s`. None when the target cannot tell."""
         return None
+
+    def plan_load_workers(self, qps: float) -> tuple[str, Undo] | None:
+        """The load workers this target runs itself for a rate of `qps` (a cluster's own
+        Locust workers, for rates beyond the runner's machine): their name and the undo that
+        removes them, known before they are started (the ledger's order); None when the run's
+        machine sends the whole rate."""
+        return None
+
+    def run_load_workers(self, qps: float) -> dict[str, Any]:
+        """Start the load workers `plan_load_workers` named; returns what was started."""
+        raise InvalidInput(f"{type(self).__name__}: this target runs no load workers")
 
     def undo(self, op: str, args: dict[str, Any]) -> None:
         """Run undo operation `op`; raises InvalidInput for anything not in UNDO_OPS."""

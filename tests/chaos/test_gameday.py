@@ -192,7 +192,7 @@ def test_an_interrupted_game_day_stops_its_running_experiment(tmp_path: Path) ->
     assert run["status"] == "finished", run
     summary = json.loads((run_file.parent / "summary.json").read_text())
     assert summary["reasons"][0].startswith("interrupted by SIGTERM"), summary["reasons"]
-    stack_id = Path(run["stack_state_dir"]).name
+    stack_id = Path(run["target_record"]["stack_state_dir"]).name
     assert leftovers(stack_id).empty, leftovers(stack_id).summary()
 
 

@@ -41,11 +41,11 @@ FAST_ENV = {"LLMCHAOS_WARMUP_S": "3", "LLMCHAOS_WINDOW_S": "2", "LLMCHAOS_STABLE
 """Short phases: the point is where the signal lands, not the verdict."""
 
 
-def _experiment(tmp_path: Path, rollbacks: bool = True) -> Path:
-    """node_partition, with 2 s pauses after the fault and the heal so that a signal can land
-    in the method and in the rollbacks."""
+def _experiment(tmp_path: Path, rollbacks: bool = True, pause_s: float = 2) -> Path:
+    """node_partition, with pauses (2 s) after the fault and the heal so that a signal can
+    land in the method and in the rollbacks."""
     experiment = json.loads((REPO / "experiments" / "node_partition.json").read_text())
-    experiment["method"][0]["pauses"] = {"after": 2}
+    experiment["method"][0]["pauses"] = {"after": pause_s}
     experiment["rollbacks"][0]["pauses"] = {"after": 2}
     if not rollbacks:
         experiment["rollbacks"] = []
@@ -56,7 +56,12 @@ def _experiment(tmp_path: Path, rollbacks: bool = True) -> Path:
 
 
 def _start(
-    tmp_path: Path, rollbacks: bool = True, *, runs: Path | None = None, name: str = "chaos"
+    tmp_path: Path,
+    rollbacks: bool = True,
+    *,
+    runs: Path | None = None,
+    name: str = "chaos",
+    pause_s: float = 2,
 ) -> tuple[subprocess.Popen[str], Path]:
     runs = runs or tmp_path / "runs"
     env = {
@@ -65,7 +70,8 @@ def _start(
         "LLMCHAOS_RUNS_ROOT": str(runs),
         "LLMCHAOS_STACKS_ROOT": str(tmp_path / "stacks"),
     }
-    argv = [str(BIN / "chaos"), "run", str(_experiment(tmp_path, rollbacks))]
+    experiment = _experiment(tmp_path / name, rollbacks, pause_s)
+    argv = [str(BIN / "chaos"), "run", str(experiment)]
     proc = subprocess.Popen(
         [*argv, "--journal-path", str(tmp_path / f"{name}-journal.json")],
         cwd=REPO,
@@ -279,7 +285,7 @@ def test_cleanup_after_a_kill_9_leaves_a_live_run_untouched(
 ) -> None:
     """Two runs at once under the same roots; one is killed with SIGKILL and cleaned up
     while the other is in its steady state. The other goes on and passes."""
-    live, runs = _start(tmp_path, name="live")
+    live, runs = _start(tmp_path, name="live", pause_s=40)  # surely live at the cleanup
     try:
         live_dir = _wait_for_phase(live, runs, tmp_path / "live.log", "warming-up")
         doomed, _ = _start(tmp_path, name="doomed")
@@ -289,7 +295,9 @@ def test_cleanup_after_a_kill_9_leaves_a_live_run_untouched(
     finally:
         if live.poll() is None:
             live.kill()
-    live_stack = Path(json.loads((live_dir / "run.json").read_text())["stack_state_dir"]).name
+    live_stack = Path(
+        json.loads((live_dir / "run.json").read_text())["target_record"]["stack_state_dir"]
+    ).name
     assert f"finished run {doomed_dir.name}" in result.stdout
     assert f"left alone stack {live_stack}" in result.stdout, result.stdout
     assert "belongs to a live chaos run" in result.stdout

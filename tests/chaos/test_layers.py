@@ -1,6 +1,6 @@
 """One direction of dependency: probes/ and actions/ -> the run layer of llmchaos -> the
-targets' door (llmchaos.targets) -> each target kind (embedded -> llmchaos.stack, kubernetes
--> llmchaos.backends, hosts) / llmchaos.load. The run layer reaches a target only through its
+targets' door (llmchaos.targets) -> each target kind (embedded -> llmchaos.stack, kubernetes,
+hosts) / llmchaos.load. The run layer reaches a target only through its
 door. Checked on the source, like an import-linter contract."""
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ TARGET_INSIDES = (
     "llmchaos.targets.kubernetes",
     "llmchaos.targets.hosts",
     "llmchaos.stack",
-    "llmchaos.backends",
 )
 """What only a target kind may import: the run layer goes through llmchaos.targets."""
 
@@ -39,9 +38,8 @@ CONTRACTS = [
     ("llmchaos", ("probes", "actions")),
     *((module.replace(".", "/"), TARGET_INSIDES) for module in RUN_LAYER),
     ("llmchaos/targets", RUN_LAYER),
-    ("llmchaos/backends", RUN_LAYER),
-    ("llmchaos/stack", (*RUN_LAYER, "llmchaos.targets", "llmchaos.backends", "llmchaos.load")),
-    ("llmchaos/load", (*RUN_LAYER, "llmchaos.targets", "llmchaos.backends", "llmchaos.stack")),
+    ("llmchaos/stack", (*RUN_LAYER, "llmchaos.targets", "llmchaos.load")),
+    ("llmchaos/load", (*RUN_LAYER, "llmchaos.targets", "llmchaos.stack")),
 ]
 ALLOWED = {"llmchaos.stack.tokens"}
 """Shared on purpose: the load counts tokens exactly as the engine does."""

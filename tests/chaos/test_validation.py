@@ -80,6 +80,12 @@ def _sla_literal(e: dict[str, Any]) -> None:
     tolerance["provider"]["arguments"]["limit"] = 30
 
 
+def _drain_here(e: dict[str, Any]) -> None:
+    provider = {"type": "python", "module": "actions.node", "func": "drain_node"}
+    provider["arguments"] = {"node": "node-a"}
+    e["method"].append({"type": "action", "name": "drain", "provider": provider})
+
+
 def _huge_qps(e: dict[str, Any]) -> None:
     e["configuration"]["qps"] = 1e9
 
@@ -115,6 +121,7 @@ CASES: list[tuple[str, Mutation, str]] = [
         _sla_literal,
         "'recovered-within-sla'.tolerance: limit 30 disagrees with sla_s = 10",
     ),
+    ("drain on embedded", _drain_here, "drain_node needs a target with nodes to drain"),
     ("qps too high", _huge_qps, "configuration.qps: expected a number > 0 and <= 1,000,000"),
     ("unknown key", _unknown_key, "configuration.duration: not a setting; did you mean"),
     ("endless burst", _endless_burst, "arguments.duration_s: expected a number > 0 and <= 900"),

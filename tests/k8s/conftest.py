@@ -1,7 +1,14 @@
-"""A Kubernetes API for the backend's tests: kmock's emulator in a thread of its own.
+"""Kubernetes APIs for the backend's tests.
 
-The official client is synchronous, kmock is an aiohttp server: the emulator runs its own event
-loop in a background thread and the client talks to it over HTTP, as to a real API server.
+The real one (`control_plane`, `deployed`): etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok (tests/k8s/controlplane.py) with deploy/ applied on fake GPU nodes.
+Its binaries come from scripts/build-k8s.sh (`make k8s-bin`); without them the tests that need
+it are skipped, except under CI, where they fail.
+
+kmock, an emulator, only where a real server cannot be made to misbehave on demand (injected
+500s and 409s, a server ignoring label selectors, the pod proxy to /metrics). The official
+client is synchronous, kmock is an aiohttp server: the emulator runs its own event loop in a
+background thread and the client talks to it over HTTP, as to a real API server.
 What kmock lacks is added here, by a hook in front of kmock that sees every request first:
 
 - exec (pods/exec over WebSocket, `v4.channel.k8s.io`): answered from `exec_answers`, per pod;
@@ -15,9 +22,15 @@ selectors; the backend filters them itself. Every request is logged in `requests
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
+import os
 import re
+import shutil
+import socket
+import subprocess
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,10 +40,13 @@ from typing import Any
 import aiohttp.web
 import kmock
 import pytest
+import redis
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from llmchaos.backends.kubernetes import KubernetesBackend, KubernetesSettings
+from llmchaos.targets.kubernetes import KubernetesSettings, KubernetesTarget
+
+from .controlplane import NAMESPACE, ControlPlane, DeployedStack, bin_dir, missing_binaries
 
 NS = "llmchaos"
 OTHER_NS = "other-team"
@@ -326,23 +342,12 @@ def cluster(emulator: Emulator, kubeconfig: Path) -> Iterator[k8s.ApiClient]:
         api.close()
 
 
-@pytest.fixture
-def make_backend(cluster: k8s.ApiClient, kubeconfig: Path) -> Iterator[Callable[..., Any]]:
-    """KubernetesBackend over the kubeconfig, with test-friendly timeouts."""
-    made: list[KubernetesBackend] = []
+def _backend_factory(**defaults: Any) -> Iterator[Callable[..., KubernetesTarget]]:
+    """make(**overrides) -> KubernetesTarget with `defaults`; all closed at the end."""
+    made: list[KubernetesTarget] = []
 
-    def make(**overrides: Any) -> KubernetesBackend:
-        values: dict[str, Any] = {
-            "namespace": NS,
-            "allowed_namespaces": (NS,),
-            "kubeconfig": str(kubeconfig),
-            "request_timeout_s": 5.0,
-            "exec_timeout_s": 5.0,
-            "ready_timeout_s": 5.0,
-            "poll_interval_s": 0.05,
-            **overrides,
-        }
-        backend = KubernetesBackend(KubernetesSettings(**values))
+    def make(**overrides: Any) -> KubernetesTarget:
+        backend = KubernetesTarget(KubernetesSettings(**{**defaults, **overrides}))
         made.append(backend)
         return backend
 
@@ -351,3 +356,126 @@ def make_backend(cluster: k8s.ApiClient, kubeconfig: Path) -> Iterator[Callable[
     finally:
         for backend in made:
             backend.close()
+
+
+@pytest.fixture
+def make_backend(cluster: k8s.ApiClient, kubeconfig: Path) -> Iterator[Callable[..., Any]]:
+    """KubernetesTarget over the kubeconfig, with test-friendly timeouts."""
+    yield from _backend_factory(
+        namespace=NS,
+        allowed_namespaces=(NS,),
+        kubeconfig=str(kubeconfig),
+        request_timeout_s=5.0,
+        exec_timeout_s=5.0,
+        ready_timeout_s=5.0,
+        poll_interval_s=0.05,
+    )
+
+
+# -- the real control plane ------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd, kube-apiserver, controllers, scheduler and kwok for the whole test session;
+    stopped at its end, pass or fail (and killed with the test run if it is killed)."""
+    missing = missing_binaries()
+    if missing:
+        reason = (
+            f"Kubernetes binaries missing in {bin_dir()}: {', '.join(missing)} "
+            "(build them with `make k8s-bin`)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must test against the real control plane: {reason}")
+        pytest.skip(reason)
+    plane = ControlPlane(tmp_path_factory.mktemp("k8s"))
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def deployed(control_plane: ControlPlane, tmp_path: Path) -> Iterator[DeployedStack]:
+    """deploy/ on the fake nodes, every Deployment available; all of it removed afterwards."""
+    stack = DeployedStack(control_plane, tmp_path)
+    try:
+        stack.up()
+        yield stack
+    finally:
+        stack.down()
+
+
+@pytest.fixture
+def real_backend(deployed: DeployedStack) -> Iterator[Callable[..., KubernetesTarget]]:
+    """KubernetesTarget acting as deploy/10-rbac.yaml's service account."""
+    yield from _backend_factory(
+        namespace=NAMESPACE,
+        allowed_namespaces=(NAMESPACE,),
+        kubeconfig=str(deployed.backend_kubeconfig),
+        request_timeout_s=10.0,
+        exec_timeout_s=10.0,
+        ready_timeout_s=30.0,
+        poll_interval_s=0.1,
+    )
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A real redis-server (Debian's) on a free port, as a cluster's Redis behind redis_url."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (make setup installs it)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        client.close()
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture
+def gpu_processes() -> Iterator[Callable[[list[int]], str]]:
+    """A scripted /gpu/processes listing given pids (for pids that cannot be killed)."""
+    servers: list[http.server.HTTPServer] = []
+
+    def serve(pids: list[int]) -> str:
+        body = json.dumps([{"pid": pid, "process_name": "python"} for pid in pids]).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    try:
+        yield serve
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()

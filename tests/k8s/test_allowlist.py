@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmchaos.backends.kubernetes import (
+from llmchaos.errors import InvalidInput
+from llmchaos.targets.kubernetes import (
     PROTECTED_NAMESPACES,
     KubernetesSettings,
     check_settings,
 )
-from llmchaos.errors import InvalidInput
 
 _LABEL_CHARS = string.ascii_lowercase + string.digits + "-"
 

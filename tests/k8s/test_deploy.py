@@ -1,11 +1,13 @@
 """deploy/: the manifests parse, match the client's API schema, fit the backend's defaults,
-and the RBAC rules grant exactly what KubernetesBackend sends (replayed against kmock)."""
+and the RBAC rules grant exactly what KubernetesTarget sends (on a real API server)."""
 
 from __future__ import annotations
 
 import json
 import re
 import shlex
+import signal
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,12 +16,18 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from llmchaos.backends.kubernetes import KubernetesBackend, KubernetesSettings, parse_selector
-from llmchaos.backends.kubernetes import selector_matches as matches
 from llmchaos.load.config import LoadConfig
 from llmchaos.stack.settings import GatewaySettings, settings_from_dict
+from llmchaos.targets.kubernetes import (
+    KubernetesSettings,
+    KubernetesTarget,
+    parse_selector,
+    worker_deployment,
+)
+from llmchaos.targets.kubernetes import selector_matches as matches
 
-from .conftest import NS, Emulator, ExecResult
+from .conftest import NS
+from .controlplane import DeployedStack
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 Doc = dict[str, Any]
@@ -199,24 +207,28 @@ def test_locust_master_and_workers_agree():
     assert config.live_host == "0.0.0.0" and config.live_port == 8090
 
 
-# -- RBAC: exactly what the backend sends ----------------------------------------------------
-def rbac_request(method: str, path: str) -> tuple[str, str, str, str | None]:
-    """(apiGroup, resource[/subresource], verb, namespace) of one API request."""
-    parts = path.strip("/").split("/")
-    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
-    namespace = None
-    if rest[0] == "namespaces" and len(rest) > 2:
-        namespace, rest = rest[1], rest[2:]
-    resource = rest[0]
-    name = rest[1] if len(rest) > 1 else None
-    if len(rest) > 2:
-        resource += "/" + rest[2]
-    verb = {"POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}.get(
-        method, "get" if name else "list"
+@pytest.mark.slow
+def test_deploy_applies_to_a_real_api_server(deployed: DeployedStack) -> None:
+    """`deployed` applied deploy/ (the server validated every object, admission included) and
+    waited for every Deployment; here: all objects are there, and the scheduler put each GPU
+    pod on its own GPU node, the CPU engine on the node without a GPU."""
+    from kubernetes.dynamic import DynamicClient
+
+    dynamic = DynamicClient(deployed.api)
+    for _, doc in DOCS:
+        resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+        namespace = doc["metadata"].get("namespace")
+        assert resource.get(name=doc["metadata"]["name"], namespace=namespace)
+    gpu_nodes = [p.spec.node_name for p in deployed.pods("app.kubernetes.io/component=engine-gpu")]
+    assert sorted(gpu_nodes) == ["node-gpu-0", "node-gpu-1"]
+    (cpu,) = deployed.pods("app.kubernetes.io/component=engine-cpu")
+    assert cpu.spec.node_name == "node-cpu-0"
+    assert len(deployed.pods()) == sum(
+        d["spec"]["replicas"] for _, d in DOCS if d["kind"] == "Deployment"
     )
-    return group, resource, verb, namespace
 
 
+# -- RBAC: exactly what the backend sends ----------------------------------------------------
 def granted() -> set[tuple[str, str, str]]:
     rules = (
         find("Role", "llmchaos-chaos")["rules"]
@@ -231,32 +243,59 @@ def granted() -> set[tuple[str, str, str]]:
     }
 
 
+@pytest.mark.slow
 def test_rbac_grants_exactly_the_verbs_the_backend_uses(
-    make_backend: Callable[..., KubernetesBackend], emulator: Emulator
-):
-    emulator.exec_answers["vllm-gpu-a"] = lambda c: ExecResult("77\n")
-    emulator.exec_answers["redis-0"] = lambda c: ExecResult("token:a\n" if "--scan" in c else "1\n")
-    emulator.metrics["vllm-gpu-b"] = "vllm:num_requests_waiting 1\n"
-    backend = make_backend()
-    backend.info()
-    backend.kill_gpu_process("vllm-gpu-a")  # exec
-    backend.kill_gpu_process("vllm-gpu-b")  # no exec answer: the delete fallback
-    backend.partition_node("node-c")
-    backend.heal_partition("node-c")
-    backend.crash_gateway("gateway-2")
-    backend.restore_gateway("gateway-2")
-    backend.expire_token_cache(0)
-    backend.queue_depth()
-    backend.healthy_workers()
-    backend.pod_recovery_times("app.kubernetes.io/component=engine-gpu", 0)
-    backend.available_replicas("gateway")
-    backend.gpu_allocatable("node-a")
-    backend.drain_node("node-a")  # cordon + eviction (404 here) + delete fallback
-    backend.uncordon_node("node-a")
-    used = {rbac_request(m, p) for m, p in emulator.requests}
-    assert {ns for *_, ns in used} <= {NS, None}  # only the stack's namespace, and nodes
-    used_rules = {(g, r, v) for g, r, v, _ in used}
-    # exec is a WebSocket GET: authorized as get (older API servers) or create (newer)
-    assert ("", "pods/exec", "get") in used_rules
-    used_rules.add(("", "pods/exec", "create"))
-    assert used_rules == granted()
+    deployed: DeployedStack,
+    real_backend: Callable[..., KubernetesTarget],
+    gpu_processes: Callable[[list[int]], str],
+) -> None:
+    """Every operation as deploy/10-rbac.yaml's service account on a real API server: none is
+    refused, and the audit log's requests use every rule and nothing else."""
+    sleeper = subprocess.Popen(["sleep", "300"])
+    try:
+        gpu_0, gpu_1 = deployed.pod_names("app.kubernetes.io/component=engine-gpu")
+        redis_pod = deployed.pod_names("app.kubernetes.io/component=redis")[0]
+        deployed.map_exec(gpu_0, {"LLMCHAOS_FAKE_GPU_URL": gpu_processes([sleeper.pid])})
+        deployed.map_exec(redis_pod, {})
+        deployed.wait_exec(gpu_0)
+        deployed.wait_exec(redis_pod)
+        backend = real_backend(redis_cli=("true",))
+        backend.info()
+        assert backend.kill_gpu_process(gpu_0)["pids"] == [sleeper.pid]  # exec
+        assert sleeper.wait(10) == -signal.SIGKILL
+        assert "deleted_pod" in backend.kill_gpu_process(gpu_1)  # no exec mapping: delete
+        backend.partition_node("node-cpu-0")
+        backend.heal_partition("node-cpu-0")
+        gateway = deployed.pod_names("app.kubernetes.io/component=gateway")[0]
+        backend.crash_gateway(gateway)
+        backend.restore_gateway(gateway)
+        backend.expire_token_cache(0)  # exec redis-cli (here `true`: no keys)
+        backend.queue_depth()
+        backend.healthy_workers()
+        backend.pod_recovery_times("app.kubernetes.io/component=engine-gpu", 0)
+        backend.drain_node("node-gpu-0")  # cordon + evictions
+        backend.uncordon_node("node-gpu-0")
+        deployed.apps.delete_namespaced_deployment("locust-worker", NS)  # deploy/'s, by hand
+        workers = worker_deployment(DEPLOY / "70-locust.yaml")
+        backend.start_load_workers(workers, 6000)  # load workers in the cluster
+        backend.scale_load_workers("locust-worker", 2000)
+        backend.stop_load_workers("locust-worker")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    events = deployed.audit_events()
+    assert [e for e in events if e["responseStatus"]["code"] == 403] == []
+    assert {e["objectRef"].get("namespace") for e in events} <= {NS, None}
+    used = {
+        (
+            e["objectRef"].get("apiGroup", ""),
+            e["objectRef"]["resource"]
+            + ("/" + e["objectRef"]["subresource"] if e["objectRef"].get("subresource") else ""),
+            e["verb"],
+        )
+        for e in events
+    }
+    # exec is a WebSocket GET, authorized as get; create is kubectl's (POST) exec verb
+    assert ("", "pods/exec", "get") in used
+    used.add(("", "pods/exec", "create"))
+    assert used == granted()

@@ -11,6 +11,11 @@ POST /v1/chat/completions, from the moment the request has arrived:
 So TTFT = T, every ITL = D, TPOT = D and e2e = T + (N - 1) D. GET /healthz answers 200
 (HAProxy's check).
 
+"From the moment the request arrived" is the kernel's receive time of its first bytes
+(SO_TIMESTAMPNS, read with MSG_PEEK before the request is parsed), so a thread that wakes
+late does not move it. (The threads may still write late on a busy machine: tests judge a
+client against the wire, tests/load/wire_clock.py, not against this plan.)
+
 A thread per connection sleeping to absolute deadlines (`time.sleep` has microsecond
 resolution; an event loop's timers have milliseconds, which showed as +1 ms), unbuffered
 writes with TCP_NODELAY, HTTP/1.1 keep-alive with chunked SSE bodies.
@@ -26,6 +31,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from llmchaos.load.stamps import ANCILLARY_BYTES, SO_TIMESTAMPNS, receive_time
+
 
 def sse(body: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
@@ -36,14 +43,31 @@ def chunk(delta: dict[str, object], finish: str | None = None) -> bytes:
     return sse({"object": "chat.completion.chunk", "choices": [choice]})
 
 
+def _arrival(sock: socket.socket) -> float:
+    """Kernel receive time (monotonic s) of the next bytes on `sock`, waiting for them."""
+    _, ancillary, _, _ = sock.recvmsg(1, ANCILLARY_BYTES, socket.MSG_PEEK)
+    return receive_time(ancillary) or time.monotonic()
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    arrived = 0.0
+    """Kernel receive time of the request being handled (monotonic s)."""
     script: tuple[float, float, int] = (0.0, 0.0, 1)
     """(TTFT ms, ITL ms, tokens), set by main()."""
 
     def setup(self) -> None:
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connection.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+
+    def handle_one_request(self) -> None:
+        try:
+            self.arrived = _arrival(self.connection)
+        except OSError:
+            self.close_connection = True
+            return
+        super().handle_one_request()
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -52,7 +76,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, b'{"status": "ok"}', "application/json")
 
     def do_POST(self) -> None:
-        start = time.monotonic()
+        start = self.arrived
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ttft_ms, itl_ms, tokens = self.script
 

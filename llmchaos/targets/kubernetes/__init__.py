@@ -3,18 +3,48 @@
 Settings are `k8s_<field>` configuration keys or `LLMCHAOS_K8S_<FIELD>` variables (the fields
 of KubernetesSettings); `k8s_allowed_namespaces` is required. The run connects to the cluster
 and leaves it as it found it, but for the faults it undoes.
+
+    settings.py     KubernetesSettings and their checks (the allowlist, selectors)
+    selectors.py    label selectors, parsed and applied here too
+    cluster.py      the API plumbing (client, errors, pods by role, exec)
+    target.py       KubernetesTarget: faults, readings, names (with the mixins below)
+    nodes.py        cordon, uncordon, drain        load_workers.py   Locust workers in the cluster
+    recovery.py     Krkn-style pod recovery times
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from llmchaos.backends.kubernetes import KubernetesBackend, KubernetesSettings
 from llmchaos.errors import InvalidInput
 from llmchaos.processes import Owner
 from llmchaos.targets import Target, TargetInfo, TargetKind, TargetSettings
+from llmchaos.targets.kubernetes.load_workers import (
+    LOAD_WORKER_QPS,
+    load_workers_for,
+    worker_deployment,
+)
+from llmchaos.targets.kubernetes.selectors import parse_selector, selector_matches
+from llmchaos.targets.kubernetes.settings import (
+    PROTECTED_NAMESPACES,
+    KubernetesSettings,
+    check_settings,
+)
+from llmchaos.targets.kubernetes.target import KubernetesTarget
 
-__all__ = ["KIND", "KubernetesKind", "KubernetesSettings"]
+__all__ = [
+    "KIND",
+    "LOAD_WORKER_QPS",
+    "PROTECTED_NAMESPACES",
+    "KubernetesKind",
+    "KubernetesSettings",
+    "KubernetesTarget",
+    "check_settings",
+    "load_workers_for",
+    "parse_selector",
+    "selector_matches",
+    "worker_deployment",
+]
 
 
 class KubernetesKind(TargetKind):
@@ -45,7 +75,7 @@ class KubernetesKind(TargetKind):
 
     def open(self, settings: TargetSettings, owner: Owner) -> Target:
         assert isinstance(settings, KubernetesSettings), settings
-        return KubernetesBackend(settings)
+        return KubernetesTarget(settings)
 
     def reattach(self, settings: TargetSettings, record: dict[str, Any]) -> Target:
         return self.open(settings, Owner.this_process("run"))

@@ -1,2 +1,0 @@
-"""The Kubernetes target's implementation (kubernetes.py), reached through
-llmchaos.targets.kubernetes."""
