@@ -122,8 +122,9 @@ def test_a_gateway_crash_kills_master_and_workers(open_target: Opener, needs_ngi
     serving = listeners(gateway.port)
     assert len(serving) == 3  # nginx master + worker_processes 2 hold the socket
     crashed = target.crash_gateway("gateway-primary")
-    assert sorted(crashed["pids"]) == serving
-    assert listeners(gateway.port) == [] and not any(pid_alive(p) for p in serving)
+    # and any worker the master forked when it saw one die before its own SIGKILL landed
+    assert set(serving) <= set(crashed["pids"])
+    assert listeners(gateway.port) == [] and not any(pid_alive(p) for p in crashed["pids"])
     with pytest.raises(StackError, match="not running"):
         target.crash_gateway("gateway-primary")
     target.restore_gateway("gateway-primary")
