@@ -97,6 +97,8 @@ class TargetInfo:
     gateways: tuple[str, ...]
     partitions_supported: bool
     """False when nodes cannot be cut off (embedded stack without network namespaces)."""
+    partitions_need: str = "root"
+    """What partitions would need where they are not supported, for the message that says so."""
     drains_supported: bool = False
     """True when nodes can be drained (cordoned, their pods evicted): a cluster."""
     aliases: dict[str, str] = field(default_factory=dict)
@@ -256,6 +258,11 @@ class Target(ABC):
     def healthy_workers(self, mode: str = "") -> int:
         """Workers answering ready, of `mode` (gpu, cpu; "" = any)."""
 
+    def kv_cache_usage(self) -> float | None:
+        """The fullest KV cache among the engines that export it (0..1; vLLM:
+        vllm:kv_cache_usage_perc), None when none does."""
+        return None
+
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
         """How the target's parts came back after `since_ts`, in Krkn's terms (its pod
         recovery times): {"recovered": [...], "unrecovered": [...]}, each entry with `name`,
@@ -348,6 +355,10 @@ class TargetKind(ABC):
     def max_qps(self, settings: TargetSettings) -> float | None:
         """Highest rate a run sends to this target whatever it asks, None for no cap."""
         return None
+
+    def max_qps_source(self, settings: TargetSettings) -> str:
+        """Where that cap is set, for the run's note when it caps a rate."""
+        return "the target's settings"
 
     @abstractmethod
     def plan(self, settings: TargetSettings) -> TargetInfo:

@@ -97,6 +97,12 @@ class EmbeddedKind(TargetKind):
     def max_qps(self, settings: TargetSettings) -> float | None:
         return _embedded(settings).embedded_max_qps
 
+    def max_qps_source(self, settings: TargetSettings) -> str:
+        return (
+            "embedded_max_qps: load, stack and faults share this machine's cores; set "
+            "LLMCHAOS_EMBEDDED_MAX_QPS to change it"
+        )
+
     def plan(self, settings: TargetSettings) -> TargetInfo:
         return planned_info(_embedded(settings).stack_config())
 

@@ -49,6 +49,7 @@ def planned_info(config: StackConfig) -> TargetInfo:
         ),
         gateways=tuple(f"gateway-{role}" for role in roles),
         partitions_supported=use_netns(config),
+        partitions_need="nodes as network namespaces: root, with netns auto or on",
     )
 
 
@@ -161,6 +162,14 @@ class EmbeddedTarget(Target):
             for worker in node.workers:
                 total += _metric(worker.url + "/metrics", "vllm:num_requests_waiting")
         return total
+
+    def kv_cache_usage(self) -> float | None:
+        shares = [
+            _metric(worker.url + "/metrics", "vllm:kv_cache_usage_perc")
+            for node in self._topology.nodes
+            for worker in node.workers
+        ]
+        return max(shares, default=None)
 
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
         """Each worker that died after `since_ts`, from its node agent (the kubelet here):

@@ -95,6 +95,9 @@ class HostsKind(TargetKind):
     def max_qps(self, settings: TargetSettings) -> float | None:
         return topology_of(settings).max_qps
 
+    def max_qps_source(self, settings: TargetSettings) -> str:
+        return f"max_qps in {topology_of(settings).path}: what this machine's gateways take"
+
     def plan(self, settings: TargetSettings) -> TargetInfo:
         topology = topology_of(settings)
         _preflight(topology)

@@ -62,6 +62,7 @@ def planned_info(topology: HostsTopology) -> TargetInfo:
         workers=tuple(WorkerRef(s.name, s.mode, s.node) for s in topology.servers),
         gateways=tuple(g.name for g in topology.gateways),
         partitions_supported=partitions_supported(),
+        partitions_need="root and iptables on this machine",
     )
 
 
