@@ -12,13 +12,23 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["Owner", "OwnerKind", "find_marked", "pid_alive", "start_ticks", "stop_pids"]
+__all__ = [
+    "Owner",
+    "OwnerKind",
+    "find_marked",
+    "group_members",
+    "pid_alive",
+    "start_ticks",
+    "stop_group",
+    "stop_pids",
+]
 
 
 def start_ticks(pid: int) -> int | None:
@@ -28,11 +38,16 @@ def start_ticks(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError):
         return None
-    # After the command name (in parentheses, may hold spaces): field 3 (state) onwards.
-    fields = stat.rsplit(")", 1)[1].split()
+    fields = _stat_fields(stat)
     if fields[0] in ("Z", "X"):
         return None
     return int(fields[19])  # field 22: starttime
+
+
+def _stat_fields(stat: str) -> list[str]:
+    """Fields 3 (state) onwards of /proc/<pid>/stat: after the command name, which is in
+    parentheses and may hold spaces."""
+    return stat.rsplit(")", 1)[1].split()
 
 
 def pid_alive(pid: int) -> bool:
@@ -126,6 +141,39 @@ def find_marked(name: str) -> dict[int, str]:
                 found[int(entry.name)] = item[len(prefix) :].decode(errors="replace")
                 break
     return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = _stat_fields((entry / "stat").read_text())
+        except (OSError, IndexError):  # ended meanwhile
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:  # field 5: pgrp
+            members.append(int(entry.name))
+    return members
+
+
+def stop_group(leader: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM the process group `leader` heads, SIGKILL it after `grace_s`; returns once no
+    process of the group is alive. A child it forked can outlive the leader by a moment (a
+    Locust worker does), so the leader's exit alone does not end the group."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        leader.poll()  # reaped, the leader no longer counts as a member
+        if not group_members(leader.pid):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(leader.pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            leader.poll()
+            if not group_members(leader.pid):
+                return
+            time.sleep(0.05)
 
 
 def _reap(pid: int) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from llmchaos.load.profiles import build_profile
 from llmchaos.load.summary import Summary
 from llmchaos.load.traffic import check_bad_tokens, load_tenants
 from llmchaos.load.wire import CONFIG_ARGUMENT, LIVE_FILE, split_url
-from llmchaos.processes import find_marked, start_ticks
+from llmchaos.processes import find_marked, start_ticks, stop_group
 from llmchaos.signals import deferred, held
 
 __all__ = ["LoadError", "LoadRun", "check_config", "find_load_processes", "locust_command"]
@@ -271,6 +270,7 @@ class LoadRun:
         except subprocess.TimeoutExpired:
             _terminate(self.process)
             raise LoadError(f"the load process did not finish within {timeout_s:.0f} s") from None
+        _terminate(self.process)  # a forked worker may still be on its way out
         return Summary.read(self.summary_path)
 
     @property
@@ -299,23 +299,11 @@ class LoadRun:
 
     def __exit__(self, *exc: object) -> None:
         if self.running:
-            try:
+            with contextlib.suppress(LLMChaosError):
                 self.stop()
-            except LLMChaosError:
-                self.close()
+        self.close()
 
 
 def _terminate(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group (master and forked workers), then SIGKILL after 5 s."""
-    if process.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """End the load: its master and every worker the master forked (one process group)."""
+    stop_group(process, grace_s=5.0)

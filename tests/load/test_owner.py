@@ -3,6 +3,7 @@ and stray load processes can be found in /proc."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from llmchaos import processes
 from llmchaos.errors import InvalidInput
 from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.api import check_config, find_load_processes
-from llmchaos.processes import Owner, start_ticks
+from llmchaos.processes import Owner, group_members, start_ticks, stop_group
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
@@ -29,6 +30,31 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return condition()
+
+
+# A leader that forks a child deaf to SIGTERM, as a Locust worker can be for a moment while it
+# sends its last report: the leader's exit must not end the stop.
+_LEADER_AND_DEAF_CHILD = """
+import os, signal, time
+if os.fork() == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(60)
+"""
+
+
+def test_a_stopped_group_leaves_no_child_that_outlived_its_leader():
+    leader = subprocess.Popen(
+        [sys.executable, "-c", _LEADER_AND_DEAF_CHILD], start_new_session=True
+    )
+    try:
+        assert _wait_for(lambda: len(group_members(leader.pid)) == 2, 10)
+        stop_group(leader, grace_s=1.0)
+        assert group_members(leader.pid) == []
+        assert leader.returncode == -signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
 
 
 def test_owner_is_gone_once_killed_even_before_it_is_reaped():

@@ -120,7 +120,7 @@ def stack(module_stack_factory) -> Topology:  # type: ignore[no-untyped-def]
 def test_streams_are_not_held_back_by_the_front_door_or_the_gateway(
     stack: Topology, tmp_path: Path
 ) -> None:
-    """TTFT through HAProxy within 5 ms of the gateway's own, and the gateway's and the
+    """TTFT through HAProxy within 15 ms of the gateway's own, and the gateway's and the
     worker's chunks leave one by one (ITL through every hop is the engine's step).
 
     The three loads run at once, so that they meet the same batches of the same engines
@@ -156,7 +156,9 @@ def test_streams_are_not_held_back_by_the_front_door_or_the_gateway(
         assert summary.ok == summary.scheduled == 50, (hop, summary)
     ttft = {hop: float(s.ttft_ms["p50"] or 0) for hop, s in summaries.items()}
     itl = {hop: float(s.itl_ms["p50"] or 0) for hop, s in summaries.items()}
-    assert abs(ttft["HAProxy"] - ttft["gateway"]) <= 5.0, ttft
+    # Buffering in HAProxy added ~130 ms; the medians of three simultaneous loads differ by
+    # where their requests land in the batches (CI once saw 5.01 ms between two of them).
+    assert abs(ttft["HAProxy"] - ttft["gateway"]) <= 15.0, ttft
     assert abs(itl["HAProxy"] - itl["worker"]) <= 2.0, itl
     assert abs(itl["gateway"] - itl["worker"]) <= 2.0, itl
     assert itl["worker"] >= 5.0, itl  # a decode step, not chunks arriving in one lump
