@@ -143,8 +143,9 @@ def find_marked(name: str) -> dict[int, str]:
     return found
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group `pgid`."""
+def group_members(pgid: int, leader_ticks: int | None = None) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`; with `leader_ticks` (the leader's
+    start time), only those started no earlier (a reused group id is not taken for ours)."""
     members = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -153,7 +154,9 @@ def group_members(pgid: int) -> list[int]:
             fields = _stat_fields((entry / "stat").read_text())
         except (OSError, IndexError):  # ended meanwhile
             continue
-        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:  # field 5: pgrp
+        if fields[0] in ("Z", "X") or int(fields[2]) != pgid:  # field 5: pgrp
+            continue
+        if leader_ticks is None or int(fields[19]) >= leader_ticks:
             members.append(int(entry.name))
     return members
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from llmchaos.errors import InvalidInput
-from llmchaos.processes import pid_alive, start_ticks
+from llmchaos.processes import group_members, pid_alive, start_ticks
 from llmchaos.signals import deferred
 
 __all__ = [
@@ -111,19 +111,6 @@ def descendants(pids: Iterable[int]) -> list[int]:
             result.append(pid)
             todo.extend(parents.get(pid, []))
     return result
-
-
-def group_members(pgid: int, leader_ticks: int | None) -> list[int]:
-    """Live processes of process group `pgid` started no earlier than its leader was (so a
-    reused group id after a reboot-long wait is not taken for ours)."""
-    found = []
-    for pid in _all_pids():
-        fields = _stat_fields(pid)
-        if not fields or fields[0] in ("Z", "X") or int(fields[2]) != pgid:
-            continue
-        if leader_ticks is None or int(fields[19]) >= leader_ticks:
-            found.append(pid)
-    return found
 
 
 def process_name(pid: int) -> str:
