@@ -137,14 +137,7 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
         lists host pids, or nothing: then kill fails or has nothing to do, and deleting the
         pod is the closest fault (the container's process dies, the pod is rescheduled).
         """
-        gpu_pods = {p.metadata.name: p for p in self._role_pods("gpu")}
-        if worker not in gpu_pods:
-            raise InvalidInput(
-                f"worker: {worker!r} is not a GPU inference pod in namespace {self.namespace} "
-                f"(gpu_selector {self.settings.gpu_selector!r}); GPU pods: "
-                f"{', '.join(gpu_pods) or 'none'}"
-            )
-        node = node_of(gpu_pods[worker])
+        node = node_of(self._role_pod("gpu", worker, "worker", "a GPU inference pod"))
         base = {"worker": worker, "pod": worker, "node": node}
         if self.settings.dry_run:
             return self._plan(
@@ -263,14 +256,8 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
         """Delete the gateway pod with grace period 0; returns {"gateway", "pod", "node",
         "deleted_pod"} (no pid: the process is the container's)."""
-        pods = {p.metadata.name: p for p in self._role_pods("gateway")}
-        if gateway not in pods:
-            raise InvalidInput(
-                f"gateway: {gateway!r} is not a gateway pod in namespace {self.namespace} "
-                f"(gateway_selector {self.settings.gateway_selector!r}); gateway pods: "
-                f"{', '.join(pods) or 'none'}"
-            )
-        result = {"gateway": gateway, "pod": gateway, "node": node_of(pods[gateway])}
+        pod = self._role_pod("gateway", gateway, "gateway", "a gateway pod")
+        result = {"gateway": gateway, "pod": gateway, "node": node_of(pod)}
         if self.settings.dry_run:
             return self._plan(
                 "crash_gateway", **result, steps=[f"delete {self._pod_ref(gateway)} grace 0"]
