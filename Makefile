@@ -35,12 +35,14 @@ demo: setup
 	$(BIN)/chaos --log-file reports/chaostoolkit.log run experiments/gpu_kill.json \
 		--journal-path reports/journal.json
 
-# The framework's own tests, then the catalogue as a resilience suite (Allure results in
-# reports/allure-results/). pytest's exit code 5 (nothing collected) fails here like any other.
+# The framework's own tests and the catalogue as a resilience suite (Allure results in
+# reports/allure-results/), in TEST_WORKERS xdist workers: most of a chaos run's time is waiting
+# (warm-up, windows, SLAs), so two workers on two cores take about half the time of one.
+# pytest's exit code 5 (nothing collected) fails here like any other.
+TEST_WORKERS ?= 2
 test: setup k8s-bin
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests
-	$(BIN)/python -m pytest suites -m resilience
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests suites
 
 # The Kubernetes control plane tests/k8s/ runs against, built from Go modules once into
 # ~/.cache/llmchaos/k8s/<version>/ (about 16 min cold on 2 cores), skipped when there.
