@@ -132,8 +132,7 @@ async def main() -> None:
     parser.add_argument("--completion-tokens", type=int, default=1)
     args = parser.parse_args()
     fail_every = tuple(
-        (int(status), int(every))
-        for status, every in (item.split(":") for item in args.fail_every)
+        (int(status), int(every)) for status, every in (item.split(":") for item in args.fail_every)
     )
     app = build_app(
         args.delay_ms,

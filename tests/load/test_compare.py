@@ -24,9 +24,7 @@ STEP_S = 8.0
 STALL_AT_S, STALL_S = 12.0, 4.0
 
 
-def test_two_providers_side_by_side(
-    fake_server: Callable[..., FakeServer], tmp_path: Path
-) -> None:
+def test_two_providers_side_by_side(fake_server: Callable[..., FakeServer], tmp_path: Path) -> None:
     # a: 10% 503 and 10% 429, 5 output tokens per answer; b: 5% 503 and one 4 s stall in the
     # second step (every request then waits for its end: one frame drop). Each its own key.
     a = fake_server(
