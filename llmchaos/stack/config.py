@@ -35,11 +35,20 @@ class Variant:
     """Whether HAProxy has a backup gateway to fail over to."""
     failover: bool = True
     """Whether gateways route around dead, loading or partitioned workers and retry elsewhere."""
+    degradation_queue_rule: bool = True
+    """Whether gateways degrade at once when the engines' queue passes its threshold (off:
+    only after the P99 has stayed high for minutes)."""
 
     def gateway_settings(self, base: GatewaySettings) -> GatewaySettings:
         """`base` with this variant's gateway behaviour applied."""
         return dataclasses.replace(
-            base, cache=self.cache, cpu_fallback=self.cpu_fallback, failover=self.failover
+            base,
+            cache=self.cache,
+            cpu_fallback=self.cpu_fallback,
+            failover=self.failover,
+            degradation=dataclasses.replace(
+                base.degradation, queue_rule=self.degradation_queue_rule
+            ),
         )
 
 
@@ -65,6 +74,12 @@ VARIANTS: dict[str, Variant] = {
             "no-backup-gateway",
             "HAProxy has only the primary gateway: a gateway crash is an outage",
             backup_gateway=False,
+        ),
+        Variant(
+            "late-degradation",
+            "gateways lack the queue-depth trigger: they degrade only after the engines' P99 "
+            "has stayed over 800 ms for 2 minutes, late or never",
+            degradation_queue_rule=False,
         ),
         Variant(
             "no-failover",
@@ -125,8 +140,14 @@ class StackConfig:
     """Added to every token-table lookup: the round trip to a networked database."""
     token_db_pool_size: int = 4
     """Token-table connections per gateway: what a cache stampede queues on."""
-    queue_shed_threshold: int = 500
-    """Gateways shed with 429 above this many queued requests."""
+    queue_shed_threshold: int = 1000
+    """Gateways shed with 429 above this many queued requests (they degrade first, at
+    `degradation_queue_threshold`)."""
+    degradation_queue_threshold: int = 500
+    """Gateways degrade (shorter answers, `X-Degraded`) when the engines' queue passes this."""
+    degradation_latency_for_s: float = 120.0
+    """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
+    seed's 2 minutes; shorter for short runs)."""
     state_root: Path = Path("reports/stacks")
     """Folder holding one state folder per stack (topology, settings, logs, data)."""
     ready_timeout_s: float = 60.0

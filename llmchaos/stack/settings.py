@@ -22,6 +22,7 @@ __all__ = [
     "GPU_PROFILE",
     "REDIS_PASSWORD_ENV",
     "CacheSettings",
+    "DegradationSettings",
     "EngineProfile",
     "GatewaySettings",
     "UpstreamWorker",
@@ -134,6 +135,37 @@ class CacheSettings:
 
 
 @dataclass(frozen=True)
+class DegradationSettings:
+    """When a gateway degrades and what it does then (gateway/degradation.py; the rules are
+    the seed's: queue_depth_threshold 500 at once, latency_p99_ms 800 for 2 minutes)."""
+
+    queue_rule: bool = True
+    """Degrade at once when the engines' queue passes `queue_depth_threshold`. Off (variant
+    `late-degradation`): only the latency rule, which fires minutes late or never."""
+    queue_depth_threshold: int = 500
+    """Sum of the engines' vllm:num_requests_waiting above which the gateway degrades."""
+    latency_p99_ms: float = 800.0
+    """P99 of the engines' vllm:e2e_request_latency_seconds (requests finished within
+    `latency_window_s`) above which, for `latency_for_s`, the gateway degrades."""
+    latency_for_s: float = 120.0
+    """How long the P99 must stay over `latency_p99_ms` (the seed: 2 minutes); scale it down
+    for short runs."""
+    latency_window_s: float = 10.0
+    """The P99's window: requests finished within this many seconds."""
+    poll_interval_s: float = 0.5
+    """How often the gateway reads the engines' /metrics: the queue rule fires at most this
+    late (plus one scrape)."""
+    recover_queue_ratio: float = 0.5
+    """Degraded mode ends once the queue is at most this share of the threshold..."""
+    hold_s: float = 10.0
+    """...and the P99 under its limit, for this long (so it does not flap)."""
+    degraded_max_tokens: int = 32
+    """What degraded answers are cut to: max_tokens (and max_completion_tokens) above it
+    become it, so each request holds an engine slot for fewer decode steps and the queue
+    drains; answers say `X-Degraded: true`."""
+
+
+@dataclass(frozen=True)
 class UpstreamWorker:
     """A worker as the gateway sees it."""
 
@@ -179,9 +211,13 @@ class GatewaySettings:
     or ejected after a failed request, and retry on another one. Off -> round-robin over every
     gpu worker whatever its health, no retry: a Kubernetes Service without readiness probes
     (health is still checked, for metrics and logs only). Default on."""
-    queue_shed_threshold: int = 500
+    queue_shed_threshold: int = 1000
     """Shed with 429 + Retry-After when the estimated queue (requests beyond the workers'
-    running batches) is over this."""
+    running batches) is over this: the last line, twice the degradation threshold, so the
+    gateway first degrades (shorter answers) and sheds only what that does not absorb."""
+    degradation: DegradationSettings = field(default_factory=DegradationSettings)
+    """When to degrade and how (None of it when `degradation.queue_rule` is off and the
+    latency rule never holds long enough)."""
     health_interval_s: float = 1.0
     """Active health check period per worker (GET /healthz)."""
     health_timeout_s: float = 0.5

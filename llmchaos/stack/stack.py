@@ -49,6 +49,7 @@ from llmchaos.stack.settings import (
     CPU_PROFILE,
     GPU_PROFILE,
     REDIS_PASSWORD_ENV,
+    DegradationSettings,
     GatewaySettings,
     UpstreamWorker,
     WorkerSettings,
@@ -205,6 +206,10 @@ def _start(
         token_db_latency_ms=config.token_db_latency_ms,
         token_db_pool_size=config.token_db_pool_size,
         queue_shed_threshold=config.queue_shed_threshold,
+        degradation=DegradationSettings(
+            queue_depth_threshold=config.degradation_queue_threshold,
+            latency_for_s=config.degradation_latency_for_s,
+        ),
     )
     roles = ["primary", "backup"] if variant.backup_gateway else ["primary"]
     gateways = []
