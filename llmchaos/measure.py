@@ -16,13 +16,18 @@ import time
 from typing import Any
 
 from llmchaos.analysis import SecondRecord, Slo, recovery, rolling_windows
-from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.errors import InvalidInput, LLMChaosError, StackError
 from llmchaos.run import ChaosRun
 from llmchaos.settings import ERROR_CLASSES, as_number
 
 __all__ = [
+    "DEGRADED_COUNTER",
+    "UNSHED_CLASSES",
+    "NotMeasured",
     "NotRecovered",
     "achieved_qps",
+    "degradation_trigger_delay_s",
+    "degraded_unshed_failure_rate",
     "error_rate",
     "frame_drops",
     "goodput_qps",
@@ -36,6 +41,7 @@ __all__ = [
     "slo",
     "tpot_p99_ms",
     "ttft_p99_ms",
+    "watch_degradation",
     "window_error_rate",
     "worst_p99_ms_since_fault",
 ]
@@ -47,6 +53,17 @@ _POLL_S = 1.0
 
 class NotRecovered(LLMChaosError):
     """The SLO did not hold again for the stable period before the probe's deadline."""
+
+
+class NotMeasured(LLMChaosError):
+    """What a probe of the hypothesis judges did not happen during the method (a trigger
+    that never fired, a queue that never drained)."""
+
+
+DEGRADED_COUNTER = "service_degraded_total"
+"""The gateways' count of entries into degraded mode (llmchaos.stack.gateway.degradation)."""
+DEGRADED_ANSWERS = "llmchaos_gateway_degraded_requests_total"
+_WATCH_POLL_S = 0.1
 
 
 def slo(run: ChaosRun) -> Slo:
@@ -238,3 +255,137 @@ def worst_p99_ms_since_fault(run: ChaosRun) -> float:
     s = run.settings
     windows = rolling_windows(_records_since(run, fault_ts), slo(run), s.window_s)
     return max((w.p99_ms or 0.0 for w in windows), default=0.0)
+
+
+def watch_degradation(
+    run: ChaosRun,
+    queue_depth_threshold: float = 500,
+    timeout_s: float = 30.0,
+    degraded_for_s: float = 10.0,
+) -> dict[str, Any]:
+    """From now on, read the engines' queue (their vllm:num_requests_waiting) and the
+    gateways' service_degraded_total every 0.1 s: when the queue first passes the threshold
+    and when the counter first moves (up to `timeout_s`); after the jump, go on for
+    `degraded_for_s` (the overload seen in degraded mode). The figures go to the run's
+    findings, for `degradation_trigger_delay_s` and `degraded_unshed_failure_rate`, and are
+    returned."""
+    threshold = as_number("queue_depth_threshold", queue_depth_threshold)
+    timeout_s = as_number("timeout_s", timeout_s)
+    degraded_for_s = as_number("degraded_for_s", degraded_for_s)
+    target = run.target
+    started = time.time()
+    entered0 = target.gateway_metric(DEGRADED_COUNTER)
+    answers0 = target.gateway_metric(DEGRADED_ANSWERS)
+    crossed = jumped = None
+    unread = 0
+    peak = peak_degraded = 0.0
+    while True:
+        now = time.time() - started
+        if jumped is None and now >= timeout_s:
+            break
+        if jumped is not None and now >= jumped + degraded_for_s:
+            break
+        queue = target.queue_depth()
+        peak = max(peak, queue)
+        if crossed is None and queue > threshold:
+            crossed = now
+        if jumped is None:
+            try:
+                if target.gateway_metric(DEGRADED_COUNTER) > entered0:
+                    jumped = now
+            except StackError:
+                unread += 1  # not seen is not zero: read again next time
+        if jumped is not None:
+            peak_degraded = max(peak_degraded, queue)
+        time.sleep(_WATCH_POLL_S)
+    found = {
+        "queue_depth_threshold": threshold,
+        "queue_crossed_at_s": None if crossed is None else round(crossed, 2),
+        "counter_jumped_at_s": None if jumped is None else round(jumped, 2),
+        "delay_s": None if crossed is None or jumped is None else round(jumped - crossed, 2),
+        "peak_queue": peak,
+        "peak_queue_degraded": peak_degraded,
+        "degraded_answers": _increase(target, DEGRADED_ANSWERS, answers0),
+        "degraded_from_ts": None if jumped is None else round(started + jumped, 3),
+        "degraded_to_ts": round(time.time(), 3),
+        "watched_s": round(time.time() - started, 1),
+        "unanswered_counter_reads": unread,
+    }
+    run.findings["degradation"] = found
+    shown = ("queue_crossed_at_s", "counter_jumped_at_s", "delay_s", "peak_queue")
+    run.notes.append(
+        "degradation watch: "
+        + ", ".join(f"{k} {found[k]}" for k in shown)
+        + f", degraded answers {found['degraded_answers']}"
+    )
+    log.info("llmchaos: degradation watch: %s", found)
+    return found
+
+
+def _increase(target: Any, name: str, before: float) -> float | None:
+    """How much the gateways' `name` grew since `before`; None when none answered."""
+    try:
+        return float(target.gateway_metric(name) - before)
+    except StackError:
+        return None
+
+
+def _degradation(run: ChaosRun) -> dict[str, Any] | None:
+    return run.findings.get("degradation")
+
+
+def degradation_trigger_delay_s(run: ChaosRun) -> float:
+    """Seconds from the engines' queue passing the threshold to the gateways' jump of
+    service_degraded_total, as `watch_degradation` saw them (0 when it has not run: before
+    the method; at least 0: a gateway that saw the crossing before the watch did fired at
+    once). Raises NotMeasured when the queue never passed the threshold or the counter never
+    moved."""
+    found = _degradation(run)
+    if found is None:
+        return 0.0
+    threshold = f"{found['queue_depth_threshold']:g}"
+    if found["queue_crossed_at_s"] is None:
+        raise NotMeasured(
+            f"the engines' queue never passed {threshold} in {found['watched_s']} s (peak "
+            f"{found['peak_queue']:g}): the load did not drive it there; raise the rate"
+        )
+    if found["counter_jumped_at_s"] is None:
+        raise NotMeasured(
+            f"the engines' queue passed {threshold} at +{found['queue_crossed_at_s']} s (peak "
+            f"{found['peak_queue']:g}) and {DEGRADED_COUNTER} did not move within "
+            f"{found['watched_s']} s: the degradation trigger did not fire"
+        )
+    return max(0.0, float(found["delay_s"]))
+
+
+UNSHED_CLASSES = ("5xx", "timeout", "connection", "bad_body")
+"""Failures a degraded service should not give: every class but the 429 it sheds with."""
+
+
+def degraded_unshed_failure_rate(run: ChaosRun) -> float:
+    """Share of the requests scheduled while degraded under the overload (as
+    `watch_degradation` saw it) that failed other than by a 429: timeouts, 5xx, broken
+    answers. Waits until those requests have all answered or timed out. 0 before the method;
+    raises NotMeasured when the gateways never degraded."""
+    found = _degradation(run)
+    if found is None:
+        return 0.0
+    if found["degraded_from_ts"] is None:
+        raise NotMeasured(
+            f"{DEGRADED_COUNTER} never moved during the {found['watched_s']} s watch: there "
+            "was no degraded mode to judge"
+        )
+    since, until = found["degraded_from_ts"], found["degraded_to_ts"]
+    deadline = until + run.settings.request_timeout_s + 5.0
+    window = run.traffic.window(since_ts=since, until_ts=until)
+    while window["in_flight"] > 0 and time.time() < deadline:
+        time.sleep(_POLL_S)
+        window = run.traffic.window(since_ts=since, until_ts=until)
+    rate = window_error_rate(window, UNSHED_CLASSES)
+    log.info(
+        "llmchaos: while degraded: %s ok, failed %s, %.1f%% failed other than by a 429",
+        window["ok"],
+        window["failed"],
+        rate * 100,
+    )
+    return rate

@@ -1,11 +1,22 @@
-"""Target-side probes: the engines' queues, who serves, which workers are ready."""
+"""Target-side probes: the engines' queues, who serves, which workers are ready, and when
+the gateways degrade."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from llmchaos import measure
 from llmchaos.run import current_run
 
-__all__ = ["healthy_workers", "queue_depth", "served_in_mode_since_fault", "serving_mode_share"]
+__all__ = [
+    "degradation_trigger_delay_s",
+    "degraded_unshed_failure_rate",
+    "healthy_workers",
+    "queue_depth",
+    "served_in_mode_since_fault",
+    "serving_mode_share",
+    "watch_degradation",
+]
 
 
 def queue_depth() -> float:
@@ -29,3 +40,28 @@ def served_in_mode_since_fault(mode: str = "cpu", min_share: float = 0.01) -> bo
 def healthy_workers(mode: str = "") -> int:
     """Workers answering ready now, of `mode` (gpu, cpu; empty = any)."""
     return measure.healthy_workers(current_run(), mode)
+
+
+def watch_degradation(
+    queue_depth_threshold: float = 500, timeout_s: float = 30.0, degraded_for_s: float = 10.0
+) -> dict[str, Any]:
+    """In the method, right after the load goes up: watch the engines' queue pass
+    `queue_depth_threshold` and the gateways' service_degraded_total jump (every 0.1 s, up
+    to `timeout_s`), then `degraded_for_s` of the overload in degraded mode. Returns the
+    figures; the hypothesis judges them with `degradation_trigger_delay_s` and
+    `degraded_unshed_failure_rate`."""
+    return measure.watch_degradation(
+        current_run(), queue_depth_threshold, timeout_s, degraded_for_s
+    )
+
+
+def degradation_trigger_delay_s() -> float:
+    """Seconds between the engines' queue passing the threshold and the gateways' counter
+    jump (0 before the method); fails when either never happened."""
+    return measure.degradation_trigger_delay_s(current_run())
+
+
+def degraded_unshed_failure_rate() -> float:
+    """Share of the requests of the degraded overload that failed other than by a 429
+    (timeouts, 5xx, broken answers); 0 before the method, fails when it never degraded."""
+    return measure.degraded_unshed_failure_rate(current_run())

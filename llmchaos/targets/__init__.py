@@ -255,6 +255,12 @@ class Target(ABC):
     def healthy_workers(self, mode: str = "") -> int:
         """Workers answering ready, of `mode` (gpu, cpu; "" = any)."""
 
+    def gateway_metric(self, name: str) -> float:
+        """Sum over the gateways of the samples of metric `name` on their /metrics (e.g.
+        `service_degraded_total`); 0 from a gateway that does not answer. InvalidInput on
+        targets whose gateways cannot be read."""
+        raise InvalidInput(f"{type(self).__name__}: cannot read the gateways' metric {name!r}")
+
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
         """How the target's parts came back after `since_ts`, in Krkn's terms (its pod
         recovery times): {"recovered": [...], "unrecovered": [...]}, each entry with `name`,

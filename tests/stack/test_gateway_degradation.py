@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+import urllib.request
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -127,8 +130,6 @@ def test_engine_metrics_of_a_real_worker_parse(
     module_stack_factory: Callable[..., object],
 ) -> None:
     """The parser reads the worker's own exposition (prometheus_client's format)."""
-    import urllib.request
-
     topology = module_stack_factory(gpu_workers=1, cpu_workers=0, netns="off")
     worker = topology.nodes[0].workers[0]  # type: ignore[attr-defined]
     with urllib.request.urlopen(worker.url + "/metrics", timeout=5) as response:
@@ -199,6 +200,18 @@ async def test_the_gateway_degrades_when_the_engines_queue_passes_the_threshold(
         assert any(
             "DEGRADED: true reason=queue_depth queue=501" in r.message for r in caplog.records
         )
+        # still past the threshold: shed at once, marked
+        status, headers, body_out = await gw.chat(body=body)
+        assert (status, headers["Retry-After"], headers["X-Degraded"]) == (429, "1", "true")
+        assert body_out["error"]["code"] == "rate_limit_exceeded"
+        assert await gw.metric("llmchaos_gateway_degraded_shed_total") == 1.0
+        # under it (not yet calm, 300 > 250): admitted with max_tokens cut, marked
+        b.metrics_text = engine_metrics(100)
+
+        async def read_again() -> bool:
+            return await gw.metric("llmchaos_gateway_engine_queue") == 300.0
+
+        await wait_for(read_again, 2.0, "the gateway to read the queue again")
         before = (len(a.received), len(b.received))
         status, headers, _ = await gw.chat(body=body)
         assert status == 200 and headers["X-Degraded"] == "true"
@@ -255,3 +268,50 @@ def test_variants_set_the_queue_rule() -> None:
 def test_scrape_sums_samples_over_labels() -> None:
     text = engine_metrics(3) + engine_metrics(4).replace(MODEL, "other")
     assert parse_engine_metrics(text) == EngineScrape(7.0, parse_engine_metrics(text).buckets)
+
+
+# -- through the real stack ----------------------------------------------------------------------
+def test_a_real_queue_degrades_the_stack_and_its_answers_say_so(
+    stack_factory: Callable[..., object],
+) -> None:
+    """64 prompts of 1,000 tokens at once wait for their prefill (8 fit in one step's 8,192
+    tokens), so the engine's queue passes a threshold of 5 at once: the gateways degrade, and
+    an answer through HAProxy is then either shed (429, Retry-After, while the queue is still
+    past it) or cut to 32 tokens, marked either way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llmchaos.stack.tokens import make_text
+    from tests.stack.stack_client import chat, valid_token
+
+    topology = stack_factory(
+        gpu_workers=1, cpu_workers=0, netns="off", degradation_queue_threshold=5
+    )
+    url, token = topology.gateway_url, valid_token(topology)  # type: ignore[attr-defined]
+    long_body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": make_text(1000)}],
+         "max_tokens": 50}
+    ).encode()  # fmt: skip
+    short_body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+    ).encode()
+    with ThreadPoolExecutor(64) as pool:
+        longs = [pool.submit(chat, url, token, body=long_body, timeout_s=60) for _ in range(64)]
+        degraded = []
+        for _ in range(200):  # until one short request is admitted in degraded mode
+            reply = chat(url, token, body=short_body, timeout_s=30)
+            if reply.headers.get("x-degraded") == "true":
+                degraded.append(reply)
+                if reply.status == 200:
+                    break
+                assert reply.status == 429 and reply.headers["retry-after"] == "1"
+            time.sleep(0.1)
+        statuses = Counter(f.result().status for f in longs)
+    assert statuses[200] >= 56 and set(statuses) <= {200, 429}, statuses
+    assert degraded and degraded[-1].status == 200, "no answer was admitted in degraded mode"
+    assert json.loads(degraded[-1].body)["usage"]["completion_tokens"] == 32
+    gateway = topology.gateways[0]  # type: ignore[attr-defined]
+    log_text = Path(gateway.log_path).read_text()
+    assert "DEGRADED: true reason=queue_depth" in log_text
+    with urllib.request.urlopen(gateway.url + "/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    assert fx.metric_value(metrics, ENTERED, reason="queue_depth") >= 1.0

@@ -15,11 +15,15 @@ the P99 under its limit for `hold_s`. Entering logs `DEGRADED: true` (leaving `D
 false`) and counts `service_degraded_total{reason}`; `llmchaos_gateway_degraded` is 1 while
 degraded and `llmchaos_gateway_engine_queue` the last queue read.
 
-While degraded, each admitted request's max_tokens (and max_completion_tokens) above
-`degraded_max_tokens` is cut to it, so it holds an engine slot for fewer decode steps and the
-queue drains, and its answer carries `X-Degraded: true` (counted in
-`llmchaos_gateway_degraded_requests_total`). Shedding with 429 stays the gateway's last line
-(`queue_shed_threshold`, twice the degradation threshold by default).
+While degraded, a request that arrives while the engines' queue (last read) is still past
+the threshold is shed at once with 429 and `Retry-After` (it would only wait there: the queue
+is what an engine that is short of prefill or batch capacity cannot absorb), and an admitted
+one has its max_tokens (and max_completion_tokens) above `degraded_max_tokens` cut to it, so it
+holds an engine slot for fewer decode steps and the queue drains; both answers carry
+`X-Degraded: true` (admitted ones counted in `llmchaos_gateway_degraded_requests_total`, shed
+ones in `llmchaos_gateway_degraded_shed_total`). The gateway's own shedding on its estimated
+queue (`queue_shed_threshold`, twice the degradation threshold) stays the last line when the
+degradation trigger is missing or late.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from yarl import URL
 
-from llmchaos.stack.openai_api import GenerationRequest
+from llmchaos.stack.openai_api import ApiError, GenerationRequest
 from llmchaos.stack.settings import DegradationSettings
 
 __all__ = [
@@ -201,9 +205,12 @@ class Degradation:
         settings: DegradationSettings,
         metrics_urls: Callable[[], Iterable[tuple[str, URL]]],
         registry: CollectorRegistry,
+        retry_after_s: int = 1,
     ) -> None:
-        """`metrics_urls`: (worker name, its /metrics URL) of the current upstream workers."""
+        """`metrics_urls`: (worker name, its /metrics URL) of the current upstream workers;
+        `retry_after_s`: the Retry-After of a shed request."""
         self.state = DegradationState(settings)
+        self._retry_after_s = retry_after_s
         self._settings = settings
         self._metrics_urls = metrics_urls
         self._latency = LatencyWindow(settings.latency_window_s)
@@ -221,6 +228,12 @@ class Degradation:
         self._answers = Counter(
             "llmchaos_gateway_degraded_requests",
             "Requests admitted in degraded mode (max_tokens cut, X-Degraded: true)",
+            registry=registry,
+        )
+        self._shed = Counter(
+            "llmchaos_gateway_degraded_shed",
+            "Requests shed with 429 in degraded mode while the engines' queue was past the "
+            "threshold",
             registry=registry,
         )
         gauge = Gauge(
@@ -244,10 +257,23 @@ class Degradation:
             response.headers[DEGRADED_HEADER] = "true"
 
     def admit(self, request: web.Request, generation: GenerationRequest, body: bytes) -> bytes:
-        """The body to forward: as it came, or with max_tokens cut while degraded."""
+        """The body to forward: as it came, or with max_tokens cut while degraded. Raises
+        ApiError 429 with Retry-After while degraded and the engines' queue is still past the
+        threshold."""
         if not self.state.degraded:
             return body
         request[_DEGRADED_KEY] = True
+        threshold = self._settings.queue_depth_threshold
+        if self.queue > threshold:
+            self._shed.inc()
+            raise ApiError(
+                429,
+                f"Gateway degraded: the engines' queue is {self.queue:g} > {threshold}; retry "
+                f"after {self._retry_after_s} s",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(self._retry_after_s)},
+            )
         self._answers.inc()
         return cap_max_tokens(body, generation, self._settings.degraded_max_tokens)
 

@@ -64,6 +64,7 @@ class Gateway:
             settings.degradation,
             lambda: [(w.name, w.health_url.with_path("/metrics")) for w in self.pool.workers],
             self.metrics.registry,
+            settings.retry_after_s,
         )
         self._db = TokenDb(settings, self.metrics)
         self._auth = TokenAuthenticator(settings, self._db, self.metrics)

@@ -54,6 +54,11 @@ class EmbeddedSettings(TargetSettings):
     simulated GPUs are the limit for LLM-shaped ones: one must carry all of it once the
     other is killed (a cluster is sized to survive one failure), and at 50 QPS of the default
     traffic its P99 stays near 2 s, under the 3 s SLO."""
+    degradation_queue_threshold: int = 500
+    """The gateways degrade at once when the engines' queue passes this (the seed's 500)."""
+    degradation_latency_for_s: float = 120.0
+    """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
+    seed's 2 minutes)."""
     stacks_root: str = "reports/stacks"
     """Folder of the stacks' state folders."""
 
@@ -66,6 +71,8 @@ class EmbeddedSettings(TargetSettings):
         "token_db_latency_ms": Range(0, 10_000),
         "token_db_pool_size": Range(1, 1000),
         "tenants": Range(1, 100_000),
+        "degradation_queue_threshold": Range(1, 1_000_000),
+        "degradation_latency_for_s": Range(0, 86_400),
         # the embedded stack runs on one machine: four times what the load sends from 2 cores
         "embedded_max_qps": Range(0, 20_000, low_open=True),
     }
@@ -88,6 +95,9 @@ class EmbeddedSettings(TargetSettings):
             token_db_latency_ms=self.token_db_latency_ms,
             token_db_pool_size=self.token_db_pool_size,
             tenants=self.tenants,
+            degradation_queue_threshold=self.degradation_queue_threshold,
+            degradation_latency_for_s=self.degradation_latency_for_s,
+            queue_shed_threshold=2 * self.degradation_queue_threshold,
             state_root=Path(self.stacks_root),
         )
 

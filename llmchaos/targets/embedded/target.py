@@ -34,6 +34,8 @@ __all__ = ["EmbeddedTarget", "planned_info"]
 
 _READ_TIMEOUT_S = 0.5
 """Timeout of one metrics or health read: a partitioned node must not stall a probe."""
+_GATEWAY_READ_TIMEOUT_S = 2.0
+"""Timeout of one read of a gateway's /metrics: an overloaded gateway answers late."""
 
 
 def planned_info(config: StackConfig) -> TargetInfo:
@@ -180,6 +182,18 @@ class EmbeddedTarget(Target):
                 total += _metric(worker.url + "/metrics", "vllm:num_requests_waiting")
         return total
 
+    def gateway_metric(self, name: str) -> float:
+        """Raises StackError when no gateway answered (a busy gateway's /metrics can take
+        longer than an engine's: 2 s each)."""
+        values = [
+            _metric_or_none(g.url + "/metrics", name, _GATEWAY_READ_TIMEOUT_S)
+            for g in self.topology.gateways
+        ]
+        answered = [v for v in values if v is not None]
+        if not answered:
+            raise StackError(f"no gateway answered /metrics for {name}")
+        return sum(answered)
+
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
         """Each worker that died after `since_ts`, from its node agent (the kubelet here):
         rescheduling is the agent's restart delay, readiness the model load."""
@@ -218,12 +232,17 @@ class EmbeddedTarget(Target):
 
 
 def _metric(url: str, name: str) -> float:
-    """Sum of the samples of gauge `name` at `url`; 0 when the endpoint does not answer."""
+    """Sum of the samples called `name` at `url`; 0 when the endpoint does not answer."""
+    return _metric_or_none(url, name, _READ_TIMEOUT_S) or 0.0
+
+
+def _metric_or_none(url: str, name: str, timeout_s: float) -> float | None:
+    """Sum of the samples called `name` at `url`; None when the endpoint does not answer."""
     try:
-        with urllib.request.urlopen(url, timeout=_READ_TIMEOUT_S) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             text = response.read().decode()
     except (OSError, urllib.error.URLError):
-        return 0.0
+        return None
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
