@@ -38,6 +38,8 @@ class Variant:
     degradation_queue_rule: bool = True
     """Whether gateways degrade at once when the engines' queue passes its threshold (off:
     only after the P99 has stayed high for minutes)."""
+    autoscaler: bool = True
+    """Whether the autoscaler runs when the stack is asked to autoscale (`autoscale`)."""
 
     def gateway_settings(self, base: GatewaySettings) -> GatewaySettings:
         """`base` with this variant's gateway behaviour applied."""
@@ -80,6 +82,11 @@ VARIANTS: dict[str, Variant] = {
             "gateways lack the queue-depth trigger: they degrade only after the engines' P99 "
             "has stayed over 800 ms for 2 minutes, late or never",
             degradation_queue_rule=False,
+        ),
+        Variant(
+            "no-autoscaler",
+            "the GPU pool stays at its minimum replicas whatever the load (the HPA is off)",
+            autoscaler=False,
         ),
         Variant(
             "no-failover",
@@ -148,6 +155,21 @@ class StackConfig:
     degradation_latency_for_s: float = 120.0
     """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
     seed's 2 minutes; shorter for short runs)."""
+    gpu_max_num_seqs: int | None = None
+    """Running-batch size of the GPU workers (None: the GPU profile's 256); a small batch
+    (a large model per GPU) saturates at a rate this machine can send."""
+    autoscale: bool = False
+    """Scale the GPU pool with the embedded autoscaler (HPA semantics): `gpu_workers` is then
+    the most replicas (one node each), `autoscale_min_replicas` run at first."""
+    autoscale_min_replicas: int = 1
+    autoscale_target_utilization: float = 0.7
+    """Average (running + waiting) / max_num_seqs of a replica the autoscaler aims at."""
+    autoscale_sync_s: float = 15.0
+    """How often the autoscaler decides (the HPA's 15 s)."""
+    autoscale_scale_down_window_s: float = 300.0
+    """Scale-down stabilisation window (the HPA's 300 s)."""
+    autoscale_policy_period_s: float = 15.0
+    """Period of the scale-up (4 pods or 100%) and scale-down (100%) rate limits."""
     state_root: Path = Path("reports/stacks")
     """Folder holding one state folder per stack (topology, settings, logs, data)."""
     ready_timeout_s: float = 60.0
@@ -177,3 +199,10 @@ class StackConfig:
                 raise InvalidInput(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.first_load_s is not None and self.first_load_s < 0:
             raise InvalidInput(f"first_load_s: expected >= 0, got {self.first_load_s}")
+        if self.gpu_max_num_seqs is not None and not 1 <= self.gpu_max_num_seqs <= 4096:
+            raise InvalidInput(f"gpu_max_num_seqs: expected 1..4096, got {self.gpu_max_num_seqs}")
+        if self.autoscale and not 1 <= self.autoscale_min_replicas <= self.gpu_workers:
+            raise InvalidInput(
+                f"autoscale_min_replicas: expected 1..gpu_workers ({self.gpu_workers}, the "
+                f"most replicas), got {self.autoscale_min_replicas}"
+            )

@@ -16,6 +16,7 @@ in memory (a signal can come between creating a thing and noting it), so the tea
 from __future__ import annotations
 
 import secrets
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from llmchaos.processes import Owner, pid_alive
 from llmchaos.signals import deferred, held
 from llmchaos.stack import netns
 from llmchaos.stack.agent import AgentSettings, AgentWorker
+from llmchaos.stack.autoscaler import AutoscalerSettings, ScaledWorker
 from llmchaos.stack.cleanup import leftovers, remove_leftovers
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import (
@@ -68,6 +70,7 @@ from llmchaos.stack.topology import (
     read_owner,
     read_secrets,
     write_owner,
+    write_replicas,
     write_secrets,
 )
 
@@ -184,9 +187,16 @@ def _start(
     )
     say(f"token table seeded: {len(records)} tokens, {config.tenants} tenants -> {tokens_file}")
 
-    nodes = _start_nodes(config, stack_id, owner, state_dir, with_netns)
+    replicas_path = (
+        write_replicas(state_dir, {"gpu": config.autoscale_min_replicas})
+        if config.autoscale
+        else None
+    )
+    nodes = _start_nodes(config, stack_id, owner, state_dir, with_netns, replicas_path)
     for node in nodes:
         for worker in node.workers:
+            if replicas_path is not None and _ordinal(worker) >= config.autoscale_min_replicas:
+                continue  # a replica slot the autoscaler has not asked for (yet)
             wait_until(
                 f"worker {worker.name} on {node.name}",
                 lambda w=worker: http_get_status(f"{w.url}/healthz", 0.5) == 200,
@@ -238,6 +248,14 @@ def _start(
     )
     say(f"haproxy ready: {gateway_url}")
 
+    autoscaler_pid = None
+    if replicas_path is not None and variant.autoscaler:
+        autoscaler_pid = _start_autoscaler(config, nodes, replicas_path, stack_id, owner).pid
+        say(
+            f"autoscaler: gpu {config.autoscale_min_replicas}..{config.gpu_workers} replicas, "
+            f"target {config.autoscale_target_utilization:.0%}, every {config.autoscale_sync_s:g} s"
+        )
+
     return Topology(
         stack_id=stack_id,
         state_dir=str(state_dir),
@@ -255,7 +273,40 @@ def _start(
         haproxy_stats_port=stats_port,
         nodes=tuple(nodes),
         gateways=tuple(gateways),
+        replicas_path=None if replicas_path is None else str(replicas_path),
+        autoscaler_pid=autoscaler_pid,
     )
+
+
+def _ordinal(worker: WorkerInfo) -> int:
+    """A GPU worker's index in its pool (gpu-3 -> 3)."""
+    return int(worker.name.rsplit("-", 1)[1])
+
+
+def _start_autoscaler(
+    config: StackConfig,
+    nodes: list[NodeInfo],
+    replicas_path: Path,
+    stack_id: str,
+    owner: Owner,
+) -> subprocess.Popen[bytes]:
+    state_dir = replicas_path.parent
+    gpus = sorted((w for n in nodes for w in n.workers if w.mode == "gpu"), key=_ordinal)
+    settings = AutoscalerSettings(
+        replicas_path=str(replicas_path),
+        state_path=str(state_dir / "autoscaler-state.json"),
+        workers=tuple(ScaledWorker(w.name, f"{w.url}/healthz") for w in gpus),
+        min_replicas=config.autoscale_min_replicas,
+        max_replicas=config.gpu_workers,
+        target_utilization=config.autoscale_target_utilization,
+        sync_period_s=config.autoscale_sync_s,
+        scale_down_window_s=config.autoscale_scale_down_window_s,
+        policy_period_s=config.autoscale_policy_period_s,
+    )
+    path = write_settings(settings, state_dir / "autoscaler.json")
+    argv = [sys.executable, "-m", "llmchaos.stack.autoscaler", "--settings", str(path)]
+    log_path = state_dir / "logs" / "autoscaler.log"
+    return spawn(argv, stack_id=stack_id, owner=owner, log_path=log_path)
 
 
 def node_layout(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -271,7 +322,12 @@ def node_layout(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
 
 
 def _start_nodes(
-    config: StackConfig, stack_id: str, owner: Owner, state_dir: Path, with_netns: bool
+    config: StackConfig,
+    stack_id: str,
+    owner: Owner,
+    state_dir: Path,
+    with_netns: bool,
+    replicas_path: Path | None = None,
 ) -> list[NodeInfo]:
     subnet = netns.pick_subnet() if with_netns else None
     short_id = stack_id[-4:]
@@ -286,6 +342,8 @@ def _start_nodes(
         for worker_index, (name, mode) in enumerate(workers):
             port = WORKER_PORT + worker_index if net else free_port()
             base = GPU_PROFILE if mode == "gpu" else CPU_PROFILE
+            if mode == "gpu" and config.gpu_max_num_seqs is not None:
+                base = replace(base, max_num_seqs=config.gpu_max_num_seqs)
             load_s = config.gpu_load_s if mode == "gpu" else config.cpu_load_s
             settings = WorkerSettings(
                 name=name,
@@ -317,8 +375,17 @@ def _start_nodes(
             state_path=str(state_dir / f"agent-{node}.state.json"),
             restart_delay_s=config.restart_delay_s,
             workers=tuple(
-                AgentWorker(w.name, w.settings_path, w.log_path, f"{w.url}/healthz") for w in infos
+                AgentWorker(
+                    w.name,
+                    w.settings_path,
+                    w.log_path,
+                    f"{w.url}/healthz",
+                    pool="gpu" if replicas_path is not None and w.mode == "gpu" else "",
+                    ordinal=_ordinal(w) if w.mode == "gpu" else 0,
+                )
+                for w in infos
             ),
+            replicas_path="" if replicas_path is None else str(replicas_path),
         )
         agent_path = write_settings(agent_settings, state_dir / f"agent-{node}.json")
         argv = [sys.executable, "-m", "llmchaos.stack.agent", "--settings", str(agent_path)]
