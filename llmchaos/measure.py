@@ -34,14 +34,20 @@ __all__ = [
     "healthy_workers",
     "itl_p99_ms",
     "p99_latency_ms",
+    "pulse_error_rate",
+    "pulse_p99_ms",
     "queue_depth",
     "recovery_time_s",
+    "scale_in_s",
+    "scale_out_s",
     "served_in_mode_since_fault",
     "serving_mode_share",
     "slo",
     "tpot_p99_ms",
     "ttft_p99_ms",
     "watch_degradation",
+    "watch_scale_in",
+    "watch_scale_out",
     "window_error_rate",
     "worst_p99_ms_since_fault",
 ]
@@ -376,11 +382,7 @@ def degraded_unshed_failure_rate(run: ChaosRun) -> float:
             "was no degraded mode to judge"
         )
     since, until = found["degraded_from_ts"], found["degraded_to_ts"]
-    deadline = until + run.settings.request_timeout_s + 5.0
-    window = run.traffic.window(since_ts=since, until_ts=until)
-    while window["in_flight"] > 0 and time.time() < deadline:
-        time.sleep(_POLL_S)
-        window = run.traffic.window(since_ts=since, until_ts=until)
+    window = _settled_window(run, since, until)
     rate = window_error_rate(window, UNSHED_CLASSES)
     log.info(
         "llmchaos: while degraded: %s ok, failed %s, %.1f%% failed other than by a 429",
@@ -389,3 +391,162 @@ def degraded_unshed_failure_rate(run: ChaosRun) -> float:
         rate * 100,
     )
     return rate
+
+
+def _settled_window(run: ChaosRun, since_ts: float, until_ts: float) -> dict[str, Any]:
+    """The load's window of the requests scheduled in [since_ts, until_ts), once they have all
+    answered or timed out (or the request timeout and 5 s have passed)."""
+    deadline = until_ts + run.settings.request_timeout_s + 5.0
+    window = run.traffic.window(since_ts=since_ts, until_ts=until_ts)
+    while window["in_flight"] > 0 and time.time() < deadline:
+        time.sleep(_POLL_S)
+        window = run.traffic.window(since_ts=since_ts, until_ts=until_ts)
+    return window
+
+
+def watch_scale_out(run: ChaosRun, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Right after the load's pulse starts (its fault): read the GPU pool's replicas every
+    0.5 s until the autoscaler has asked for more and as many are ready, or `timeout_s`. The
+    times (from the pulse's start) go to the run's findings and are returned."""
+    timeout_s = as_number("timeout_s", timeout_s)
+    target = run.target
+    pulse_ts = run.last_fault_ts() or time.time()
+    before = target.replicas()
+    decided = ready = None
+    peak = before.desired
+    last = before
+    while time.time() - pulse_ts < timeout_s:
+        last = target.replicas()
+        now = time.time() - pulse_ts
+        peak = max(peak, last.desired)
+        if decided is None and last.desired > before.desired:
+            decided = now
+        if decided is not None and last.ready >= last.desired:
+            ready = now
+            break
+        time.sleep(_WATCH_POLL_S * 5)
+    found = {
+        "pulse_started_ts": round(pulse_ts, 3),
+        "replicas_before": before.desired,
+        "ready_before": before.ready,
+        "autoscaled": before.autoscaled,
+        "scale_out_decided_after_s": None if decided is None else round(decided, 2),
+        "scale_out_ready_after_s": None if ready is None else round(ready, 2),
+        "replicas_after_scale_out": last.desired,
+        "ready_after_scale_out": last.ready,
+        "replicas_peak": peak,
+        "last_detail": last.detail,
+    }
+    run.findings["autoscaling"] = found
+    run.notes.append(
+        f"autoscaling: {before.desired} -> {last.desired} replicas, decided after "
+        f"{found['scale_out_decided_after_s']} s, ready after {found['scale_out_ready_after_s']} s"
+    )
+    log.info("llmchaos: scale-out watch: %s", found)
+    return found
+
+
+def watch_scale_in(run: ChaosRun, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Right after the pulse ends (the load back at its base rate, the last fault): read the
+    replicas every 0.5 s until the pool is back at its minimum (desired and ready), or
+    `timeout_s`. Adds the time to the run's findings and returns them."""
+    timeout_s = as_number("timeout_s", timeout_s)
+    found = run.findings.setdefault("autoscaling", {})
+    target = run.target
+    end_ts = run.last_fault_ts() or time.time()
+    floor = found.get("replicas_before")
+    scaled_in = None
+    last = target.replicas()
+    while time.time() - end_ts < timeout_s:
+        last = target.replicas()
+        floor = last.min_replicas if last.min_replicas is not None else floor
+        if floor is not None and last.desired <= floor and last.ready <= floor:
+            scaled_in = time.time() - end_ts
+            break
+        time.sleep(_WATCH_POLL_S * 5)
+    found.update(
+        {
+            "pulse_ended_ts": round(end_ts, 3),
+            "scaled_in_after_s": None if scaled_in is None else round(scaled_in, 2),
+            "replicas_at_end": last.desired,
+            "min_replicas": floor,
+        }
+    )
+    run.notes.append(
+        f"autoscaling: back to {last.desired} replicas after {found['scaled_in_after_s']} s"
+    )
+    log.info("llmchaos: scale-in watch: %s", found)
+    return found
+
+
+def _autoscaling(run: ChaosRun) -> dict[str, Any] | None:
+    return run.findings.get("autoscaling")
+
+
+def scale_out_s(run: ChaosRun) -> float:
+    """Seconds from the pulse's start until the replicas the autoscaler asked for were ready
+    (0 before the method). Raises NotMeasured when it never scaled out."""
+    found = _autoscaling(run)
+    if found is None:
+        return 0.0
+    if found.get("scale_out_ready_after_s") is None:
+        if found.get("scale_out_decided_after_s") is None:
+            raise NotMeasured(
+                f"the GPU pool stayed at {found['replicas_after_scale_out']} replicas through "
+                f"the pulse (autoscaler {'on' if found['autoscaled'] else 'off'}; "
+                f"{found['last_detail'] or 'no decision seen'})"
+            )
+        raise NotMeasured(
+            f"the autoscaler asked for {found['replicas_after_scale_out']} replicas after "
+            f"{found['scale_out_decided_after_s']} s, but only {found['ready_after_scale_out']} "
+            "were ready when the watch ended"
+        )
+    return float(found["scale_out_ready_after_s"])
+
+
+def scale_in_s(run: ChaosRun) -> float:
+    """Seconds from the pulse's end until the pool was back at its minimum (0 before the
+    method). Raises NotMeasured when it did not come back."""
+    found = _autoscaling(run)
+    if found is None or "pulse_ended_ts" not in found:
+        return 0.0
+    if found["scaled_in_after_s"] is None:
+        raise NotMeasured(
+            f"the GPU pool was still at {found['replicas_at_end']} replicas (minimum "
+            f"{found['min_replicas']}) when the scale-in watch ended"
+        )
+    return float(found["scaled_in_after_s"])
+
+
+def _pulse_window(run: ChaosRun) -> dict[str, Any] | None:
+    """The requests scheduled during the pulse once it had scaled out (plus one SLO window
+    for the new replicas' queues to clear), settled; None before the method."""
+    found = _autoscaling(run)
+    if found is None or "pulse_ended_ts" not in found:
+        return None
+    if found.get("scale_out_ready_after_s") is None:
+        raise NotMeasured("the GPU pool never scaled out: there is no scaled pulse to judge")
+    since = found["pulse_started_ts"] + found["scale_out_ready_after_s"] + run.settings.window_s
+    until = found["pulse_ended_ts"]
+    if until - since < 1.0:
+        raise NotMeasured(
+            f"the pulse ended {until - since + run.settings.window_s:.1f} s after the scale-out: "
+            "hold it longer to judge the SLO at the new size"
+        )
+    return _settled_window(run, since, until)
+
+
+def pulse_p99_ms(run: ChaosRun) -> float:
+    """P99 latency of the pulse's requests at its scaled-out size (0 before the method)."""
+    window = _pulse_window(run)
+    if window is None:
+        return 0.0
+    return float(window["latency_with_unanswered_ms"]["p99"] or 0.0)
+
+
+def pulse_error_rate(run: ChaosRun) -> float:
+    """SLO error rate of the pulse's requests at its scaled-out size (0 before the method)."""
+    window = _pulse_window(run)
+    if window is None:
+        return 0.0
+    return window_error_rate(window, run.settings.error_classes)

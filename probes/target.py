@@ -12,10 +12,16 @@ __all__ = [
     "degradation_trigger_delay_s",
     "degraded_unshed_failure_rate",
     "healthy_workers",
+    "pulse_error_rate",
+    "pulse_p99_ms",
     "queue_depth",
+    "scale_in_s",
+    "scale_out_s",
     "served_in_mode_since_fault",
     "serving_mode_share",
     "watch_degradation",
+    "watch_scale_in",
+    "watch_scale_out",
 ]
 
 
@@ -65,3 +71,37 @@ def degraded_unshed_failure_rate() -> float:
     """Share of the requests of the degraded overload that failed other than by a 429
     (timeouts, 5xx, broken answers); 0 before the method, fails when it never degraded."""
     return measure.degraded_unshed_failure_rate(current_run())
+
+
+def watch_scale_out(timeout_s: float = 60.0) -> dict[str, Any]:
+    """In the method, right after the pulse starts: the GPU pool's replicas every 0.5 s until
+    the autoscaler asked for more and they are ready (or `timeout_s`)."""
+    return measure.watch_scale_out(current_run(), timeout_s)
+
+
+def watch_scale_in(timeout_s: float = 120.0) -> dict[str, Any]:
+    """In the method, right after the pulse ends: the replicas until the pool is back at its
+    minimum (or `timeout_s`)."""
+    return measure.watch_scale_in(current_run(), timeout_s)
+
+
+def scale_out_s() -> float:
+    """Seconds from the pulse's start until the new replicas were ready (0 before the
+    method); fails when the pool never scaled out."""
+    return measure.scale_out_s(current_run())
+
+
+def scale_in_s() -> float:
+    """Seconds from the pulse's end until the pool was back at its minimum (0 before the
+    method); fails when it stayed larger."""
+    return measure.scale_in_s(current_run())
+
+
+def pulse_p99_ms() -> float:
+    """P99 latency of the pulse's requests once the pool had scaled out (0 before)."""
+    return measure.pulse_p99_ms(current_run())
+
+
+def pulse_error_rate() -> float:
+    """SLO error rate of the pulse's requests once the pool had scaled out (0 before)."""
+    return measure.pulse_error_rate(current_run())

@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_VARIANT",
     "KINDS",
     "CleanupRequest",
+    "Replicas",
     "Target",
     "TargetInfo",
     "TargetKind",
@@ -164,6 +165,23 @@ class TargetInfo:
 
 
 @dataclass(frozen=True)
+class Replicas:
+    """The GPU pool's size as its autoscaler sees it: what it asks and what serves."""
+
+    desired: int
+    """The replica count asked for (the HPA's decision: the Deployment's spec.replicas, the
+    embedded stack's replicas file)."""
+    ready: int
+    """Replicas ready to serve."""
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    autoscaled: bool = False
+    """An autoscaler acts on the pool (False: nothing would change the count)."""
+    detail: str = ""
+    """What the autoscaler last said, when the target can tell (HPA conditions, ...)."""
+
+
+@dataclass(frozen=True)
 class TargetSettings:
     """Base of every kind's settings dataclass: each field has a default and a docstring."""
 
@@ -254,6 +272,11 @@ class Target(ABC):
     @abstractmethod
     def healthy_workers(self, mode: str = "") -> int:
         """Workers answering ready, of `mode` (gpu, cpu; "" = any)."""
+
+    def replicas(self) -> Replicas:
+        """The GPU pool's desired and ready replicas. InvalidInput on targets that cannot
+        tell."""
+        raise InvalidInput(f"{type(self).__name__}: cannot read the GPU pool's replicas")
 
     def gateway_metric(self, name: str) -> float:
         """Sum over the gateways of the samples of metric `name` on their /metrics (e.g.

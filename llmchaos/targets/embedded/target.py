@@ -27,8 +27,8 @@ from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import http_get_status
 from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
-from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
-from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.stack.topology import Topology, read_agent_state, read_replicas, read_secrets
+from llmchaos.targets import Replicas, Target, TargetInfo, WorkerRef
 
 __all__ = ["EmbeddedTarget", "planned_info"]
 
@@ -181,6 +181,41 @@ class EmbeddedTarget(Target):
             for worker in node.workers:
                 total += _metric(worker.url + "/metrics", "vllm:num_requests_waiting")
         return total
+
+    def replicas(self) -> Replicas:
+        """Desired from the stack's replicas file (all GPU workers without an autoscaler),
+        ready by the GPU workers' /healthz, the bounds from the autoscaler's settings."""
+        topology = self.topology
+        gpus = [w for n in topology.nodes for w in n.workers if w.mode == "gpu"]
+        ready = self.healthy_workers("gpu")
+        if topology.replicas_path is None:
+            return Replicas(desired=len(gpus), ready=ready)
+        try:
+            desired = read_replicas(Path(topology.replicas_path)).get("gpu", 0)
+        except (OSError, ValueError) as exc:
+            raise StackError(f"{topology.replicas_path}: {exc}") from None
+        autoscaled = topology.autoscaler_pid is not None and pid_alive(topology.autoscaler_pid)
+        detail = ""
+        state = self._state_dir / "autoscaler-state.json"
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+            last = json.loads(state.read_text())["decisions"][-1]
+            detail = f"utilisation {last['utilization']}, {last['reason']}"
+        return Replicas(
+            desired=desired,
+            ready=ready,
+            min_replicas=self._autoscale_min(),
+            max_replicas=len(gpus),
+            autoscaled=autoscaled,
+            detail=detail,
+        )
+
+    def _autoscale_min(self) -> int | None:
+        try:
+            return int(
+                json.loads((self._state_dir / "autoscaler.json").read_text())["min_replicas"]
+            )
+        except (OSError, ValueError, KeyError):
+            return None
 
     def gateway_metric(self, name: str) -> float:
         """Raises StackError when no gateway answered (a busy gateway's /metrics can take
