@@ -38,6 +38,7 @@ __all__ = [
     "pulse_p99_ms",
     "queue_depth",
     "recovery_time_s",
+    "registry_has_leader",
     "scale_in_s",
     "scale_out_s",
     "served_in_mode_since_fault",
@@ -550,3 +551,14 @@ def pulse_error_rate(run: ChaosRun) -> float:
     if window is None:
         return 0.0
     return window_error_rate(window, run.settings.error_classes)
+
+
+def registry_has_leader(run: ChaosRun) -> bool:
+    """Whether the registry's members know a leader now."""
+    try:
+        name = run.target.registry_leader()
+    except StackError as exc:
+        log.info("llmchaos: registry: %s", exc)
+        return False
+    log.info("llmchaos: registry leader: %s", name)
+    return True

@@ -15,6 +15,7 @@ __all__ = [
     "pulse_error_rate",
     "pulse_p99_ms",
     "queue_depth",
+    "registry_has_leader",
     "scale_in_s",
     "scale_out_s",
     "served_in_mode_since_fault",
@@ -105,3 +106,9 @@ def pulse_p99_ms() -> float:
 def pulse_error_rate() -> float:
     """SLO error rate of the pulse's requests once the pool had scaled out (0 before)."""
     return measure.pulse_error_rate(current_run())
+
+
+def registry_has_leader() -> bool:
+    """Whether the service registry's members know a leader now (False during an election or
+    without a quorum)."""
+    return measure.registry_has_leader(current_run())

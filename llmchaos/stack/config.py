@@ -14,9 +14,18 @@ from typing import Literal
 from llmchaos.errors import InvalidInput
 from llmchaos.stack.settings import CacheSettings, GatewaySettings
 
-__all__ = ["DEFAULT_VARIANT", "VARIANTS", "NetnsMode", "StackConfig", "Variant", "get_variant"]
+__all__ = [
+    "DEFAULT_VARIANT",
+    "VARIANTS",
+    "DiscoveryMode",
+    "NetnsMode",
+    "StackConfig",
+    "Variant",
+    "get_variant",
+]
 
 NetnsMode = Literal["auto", "on", "off"]
+DiscoveryMode = Literal["static", "etcd"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,9 @@ class Variant:
     only after the P99 has stayed high for minutes)."""
     autoscaler: bool = True
     """Whether the autoscaler runs when the stack is asked to autoscale (`autoscale`)."""
+    endpoint_cache: bool = True
+    """Whether gateways that find their workers in the registry keep serving the last ones
+    found when it cannot be read."""
 
     def gateway_settings(self, base: GatewaySettings) -> GatewaySettings:
         """`base` with this variant's gateway behaviour applied."""
@@ -51,6 +63,7 @@ class Variant:
             degradation=dataclasses.replace(
                 base.degradation, queue_rule=self.degradation_queue_rule
             ),
+            discovery=dataclasses.replace(base.discovery, keep_last_known=self.endpoint_cache),
         )
 
 
@@ -87,6 +100,12 @@ VARIANTS: dict[str, Variant] = {
             "no-autoscaler",
             "the GPU pool stays at its minimum replicas whatever the load (the HPA is off)",
             autoscaler=False,
+        ),
+        Variant(
+            "no-endpoint-cache",
+            "gateways that find their workers in the registry drop them whenever it cannot be "
+            "read (503 until it answers again)",
+            endpoint_cache=False,
         ),
         Variant(
             "no-failover",
@@ -155,6 +174,9 @@ class StackConfig:
     degradation_latency_for_s: float = 120.0
     """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
     seed's 2 minutes; shorter for short runs)."""
+    discovery: DiscoveryMode = "static"
+    """Where gateways find their workers: their settings (static), or a 3-member etcd
+    registry (etcd) that a registrar keeps filled with the ready workers."""
     gpu_max_num_seqs: int | None = None
     """Running-batch size of the GPU workers (None: the GPU profile's 256); a small batch
     (a large model per GPU) saturates at a rate this machine can send."""
@@ -179,6 +201,8 @@ class StackConfig:
         get_variant(self.variant)
         if self.netns not in ("auto", "on", "off"):
             raise InvalidInput(f"netns: expected auto, on or off, got {self.netns!r}")
+        if self.discovery not in ("static", "etcd"):
+            raise InvalidInput(f"discovery: expected static or etcd, got {self.discovery!r}")
         for name, low in (
             ("gpu_workers", 0),
             ("cpu_workers", 0),

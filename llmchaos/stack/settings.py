@@ -23,6 +23,7 @@ __all__ = [
     "REDIS_PASSWORD_ENV",
     "CacheSettings",
     "DegradationSettings",
+    "DiscoverySettings",
     "EngineProfile",
     "GatewaySettings",
     "UpstreamWorker",
@@ -166,6 +167,25 @@ class DegradationSettings:
 
 
 @dataclass(frozen=True)
+class DiscoverySettings:
+    """Where a gateway finds its workers (gateway/discovery.py): its settings' `workers`, or,
+    with `endpoints`, the registry."""
+
+    endpoints: tuple[str, ...] = ()
+    """The registry members' client URLs (etcd); () = the static `workers`."""
+    prefix: str = "/llmchaos/workers/"
+    """Key prefix under which the registrar keeps the stack's ready workers."""
+    interval_s: float = 0.25
+    """How often the gateway reads the registry: a new worker is routed to within this (and
+    one health check), and an election (about 1 s) is seen by several reads."""
+    timeout_s: float = 0.5
+    """One read of one member; a partitioned member times out in this."""
+    keep_last_known: bool = True
+    """When no member answers: go on with the workers last found (hardened), or drop them
+    (variant `no-endpoint-cache`)."""
+
+
+@dataclass(frozen=True)
 class UpstreamWorker:
     """A worker as the gateway sees it."""
 
@@ -215,6 +235,8 @@ class GatewaySettings:
     """Shed with 429 + Retry-After when the estimated queue (requests beyond the workers'
     running batches) is over this: the last line, twice the degradation threshold, so the
     gateway first degrades (shorter answers) and sheds only what that does not absorb."""
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    """Static workers, or the registry's (with `discovery.endpoints`)."""
     degradation: DegradationSettings = field(default_factory=DegradationSettings)
     """When to degrade and how (None of it when `degradation.queue_rule` is off and the
     latency rule never holds long enough)."""
@@ -296,6 +318,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise InvalidInput(f"{where}: expected one of {typing.get_args(hint)}, got {value!r}")
         return value
     if origin in (typing.Union, types.UnionType):
+        # an optional dataclass (`RegistryInfo | None`) is read back as one
+        for arg in typing.get_args(hint):
+            if dataclasses.is_dataclass(arg) and isinstance(value, dict):
+                return settings_from_dict(arg, value, where)  # type: ignore[arg-type]
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

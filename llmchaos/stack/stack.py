@@ -15,6 +15,7 @@ in memory (a signal can come between creating a thing and noting it), so the tea
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import subprocess
 import sys
@@ -23,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from llmchaos.errors import InvalidInput
+from llmchaos.errors import InvalidInput, StackError
 from llmchaos.processes import Owner, pid_alive
 from llmchaos.signals import deferred, held
-from llmchaos.stack import netns
+from llmchaos.stack import etcd, netns
 from llmchaos.stack.agent import AgentSettings, AgentWorker
 from llmchaos.stack.autoscaler import AutoscalerSettings, ScaledWorker
 from llmchaos.stack.cleanup import leftovers, remove_leftovers
@@ -40,6 +41,8 @@ from llmchaos.stack.procs import (
     stop_stack_processes,
     wait_until,
 )
+from llmchaos.stack.registrar import RegistrarSettings
+from llmchaos.stack.registry import MEMBERS, find_etcd, plan_members, start_member, wait_ready
 from llmchaos.stack.services import (
     HaproxyServer,
     haproxy_config,
@@ -52,6 +55,7 @@ from llmchaos.stack.settings import (
     GPU_PROFILE,
     REDIS_PASSWORD_ENV,
     DegradationSettings,
+    DiscoverySettings,
     GatewaySettings,
     UpstreamWorker,
     WorkerSettings,
@@ -63,6 +67,7 @@ from llmchaos.stack.topology import (
     CURRENT_FILE,
     GatewayInfo,
     NodeInfo,
+    RegistryInfo,
     StackSecrets,
     Topology,
     WorkerInfo,
@@ -101,6 +106,8 @@ def _preflight(config: StackConfig) -> bool:
     get_variant(config.variant)
     require_binary("redis-server")
     require_binary("haproxy")
+    if config.discovery == "etcd":
+        find_etcd()
     with_netns = use_netns(config)
     if config.port and port_in_use(config.port):
         raise InvalidInput(
@@ -192,7 +199,12 @@ def _start(
         if config.autoscale
         else None
     )
-    nodes = _start_nodes(config, stack_id, owner, state_dir, with_netns, replicas_path)
+    subnet = netns.pick_subnet() if with_netns else None
+    registry = None
+    if config.discovery == "etcd":
+        registry = _start_registry(config, stack_id, owner, state_dir, subnet)
+        say("registry ready: " + ", ".join(f"{m.name} {m.client_url}" for m in registry.members))
+    nodes = _start_nodes(config, stack_id, owner, state_dir, subnet, replicas_path)
     for node in nodes:
         for worker in node.workers:
             if replicas_path is not None and _ordinal(worker) >= config.autoscale_min_replicas:
@@ -208,9 +220,24 @@ def _start(
     upstreams = tuple(
         UpstreamWorker(w.name, w.url, w.mode, node=n.name) for n in nodes for w in n.workers
     )
+    discovery = DiscoverySettings()
+    if registry is not None:
+        registry = _start_registrar(config, registry, upstreams, state_dir, stack_id, owner)
+        expected = sum(
+            1
+            for n in nodes
+            for w in n.workers
+            if replicas_path is None or _ordinal(w) < config.autoscale_min_replicas
+        )
+        _wait_registered(registry, expected, config.ready_timeout_s)
+        say(f"registrar ready: {expected} worker(s) under {registry.prefix}")
+        discovery = DiscoverySettings(
+            endpoints=tuple(m.client_url for m in registry.members), prefix=registry.prefix
+        )
     base = GatewaySettings(
         models=(config.model,),
-        workers=upstreams,
+        workers=() if registry is not None else upstreams,
+        discovery=discovery,
         redis_url=f"redis://127.0.0.1:{redis_port}/0",
         token_db_path=str(token_db),
         token_db_latency_ms=config.token_db_latency_ms,
@@ -275,7 +302,74 @@ def _start(
         gateways=tuple(gateways),
         replicas_path=None if replicas_path is None else str(replicas_path),
         autoscaler_pid=autoscaler_pid,
+        registry=registry,
     )
+
+
+def _start_registry(
+    config: StackConfig,
+    stack_id: str,
+    owner: Owner,
+    state_dir: Path,
+    subnet: ipaddress.IPv4Network | None,
+) -> RegistryInfo:
+    """A 3-member etcd cluster, each member in a namespace of its own when nodes are."""
+    binary = find_etcd()
+    network = None
+    if subnet is not None:
+        with deferred():  # whole or not at all: the teardown finds it by name
+            network = netns.create_registry_network(stack_id[-4:], MEMBERS, subnet)
+    members = plan_members(state_dir, network)
+    token = f"llmchaos-{stack_id}"
+    started = []
+    for member in members:
+        pid = start_member(
+            member, members, binary=binary, token=token, stack_id=stack_id, owner=owner
+        )
+        started.append(replace(member, pid=pid))
+    wait_ready(tuple(started), config.ready_timeout_s)
+    return RegistryInfo(
+        members=tuple(started),
+        prefix=f"/llmchaos/{stack_id}/workers/",
+        cluster_token=token,
+        binary=binary,
+    )
+
+
+def _start_registrar(
+    config: StackConfig,
+    registry: RegistryInfo,
+    upstreams: tuple[UpstreamWorker, ...],
+    state_dir: Path,
+    stack_id: str,
+    owner: Owner,
+) -> RegistryInfo:
+    settings = RegistrarSettings(
+        endpoints=tuple(m.client_url for m in registry.members),
+        prefix=registry.prefix,
+        workers=upstreams,
+    )
+    path = write_settings(settings, state_dir / "registrar.json")
+    argv = [sys.executable, "-m", "llmchaos.stack.registrar", "--settings", str(path)]
+    log_path = state_dir / "logs" / "registrar.log"
+    process = spawn(argv, stack_id=stack_id, owner=owner, log_path=log_path)
+    return replace(registry, registrar_pid=process.pid)
+
+
+def _wait_registered(registry: RegistryInfo, expected: int, timeout_s: float) -> None:
+    """Until the registry lists `expected` workers (the registrar's first rounds)."""
+    body = etcd.prefix_range(registry.prefix)
+
+    def listed() -> bool:
+        for member in registry.members:
+            try:
+                answer = etcd.call(member.client_url, "/v3/kv/range", body, 0.5)
+            except StackError:
+                continue
+            return len(etcd.endpoints_of(answer)) >= expected
+        return False
+
+    wait_until(f"{expected} worker(s) in the registry", listed, timeout_s)
 
 
 def _ordinal(worker: WorkerInfo) -> int:
@@ -326,10 +420,9 @@ def _start_nodes(
     stack_id: str,
     owner: Owner,
     state_dir: Path,
-    with_netns: bool,
+    subnet: ipaddress.IPv4Network | None,
     replicas_path: Path | None = None,
 ) -> list[NodeInfo]:
-    subnet = netns.pick_subnet() if with_netns else None
     short_id = stack_id[-4:]
     nodes = []
     for index, (node, workers) in enumerate(node_layout(config)):

@@ -25,6 +25,8 @@ __all__ = [
     "AgentState",
     "GatewayInfo",
     "NodeInfo",
+    "RegistryInfo",
+    "RegistryMember",
     "StackSecrets",
     "Topology",
     "WorkerInfo",
@@ -127,6 +129,41 @@ class GatewayInfo:
 
 
 @dataclass(frozen=True)
+class RegistryMember:
+    """One etcd member of the stack's registry (llmchaos.stack.registry)."""
+
+    name: str
+    client_url: str
+    peer_url: str
+    netns: str | None
+    data_dir: str
+    log_path: str
+    pid: int = 0
+    """Its etcd process now (changes when it is started again)."""
+
+
+@dataclass(frozen=True)
+class RegistryInfo:
+    """The registry the gateways find their workers in, and who keeps it filled."""
+
+    members: tuple[RegistryMember, ...]
+    prefix: str
+    """Key prefix of the stack's workers."""
+    cluster_token: str
+    binary: str
+    """The etcd the members run (what a restart runs again)."""
+    registrar_pid: int = 0
+
+    def member(self, name: str) -> RegistryMember:
+        """The member called `name`; raises InvalidInput listing the known ones."""
+        for member in self.members:
+            if member.name == name:
+                return member
+        known = ", ".join(m.name for m in self.members)
+        raise InvalidInput(f"member: unknown registry member {name!r}; members: {known}")
+
+
+@dataclass(frozen=True)
 class Topology:
     """Everything one `stack up` started."""
 
@@ -153,6 +190,8 @@ class Topology:
     """The replicas file the node agents follow (None: every worker always runs)."""
     autoscaler_pid: int | None = None
     """The embedded autoscaler (None: none runs; the replica count stays as written)."""
+    registry: RegistryInfo | None = None
+    """The service registry (None: the gateways' workers are in their settings)."""
 
     @property
     def path(self) -> Path:

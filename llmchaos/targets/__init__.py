@@ -99,6 +99,9 @@ class TargetInfo:
     """False when nodes cannot be cut off (embedded stack without network namespaces)."""
     drains_supported: bool = False
     """True when nodes can be drained (cordoned, their pods evicted): a cluster."""
+    registry_members: tuple[str, ...] = ()
+    """Members of the service registry the gateways find their workers in (embedded stack
+    with discovery etcd); () when there is none to break."""
     aliases: dict[str, str] = field(default_factory=dict)
     """The embedded stack's names (gpu-0, node-a, primary) for this target's own ones (pod
     and node names), so the catalogue runs unchanged on a cluster."""
@@ -143,6 +146,23 @@ class TargetInfo:
         if real not in self.nodes:
             raise InvalidInput(f"node: unknown node {node!r}; nodes: {', '.join(self.nodes)}")
         return real
+
+    def registry_member_names(self, member: str) -> list[str]:
+        """Registry members selected by name or "all" ("leader" is resolved by the target
+        when the fault acts). Raises InvalidInput for an unknown name or no registry."""
+        if not self.registry_members:
+            raise InvalidInput(
+                "member: the target has no service registry to break (embedded stack: set "
+                "discovery: etcd)"
+            )
+        if member == "all":
+            return list(self.registry_members)
+        if member not in self.registry_members:
+            raise InvalidInput(
+                f"member: unknown registry member {member!r}; expected leader, all or one of "
+                f"{', '.join(self.registry_members)}"
+            )
+        return [member]
 
     def check_node(self, node: str) -> None:
         """Raises InvalidInput when `node` is not a node of the target."""
@@ -206,7 +226,9 @@ class Target(ABC):
     idempotent, so the run's ledger can replay undos after any failure.
     """
 
-    UNDO_OPS: ClassVar[frozenset[str]] = frozenset({"heal_partition", "restore_gateway"})
+    UNDO_OPS: ClassVar[frozenset[str]] = frozenset(
+        {"heal_partition", "restore_gateway", "restart_registry_member", "heal_registry_member"}
+    )
     """Methods the ledger may call to undo a fault."""
 
     @abstractmethod
@@ -258,6 +280,27 @@ class Target(ABC):
         what was done, with "was_unschedulable" when it was cordoned before. InvalidInput on
         targets without nodes to drain (TargetInfo.drains_supported)."""
         raise InvalidInput(f"drain_node: {type(self).__name__} has no nodes to drain")
+
+    def registry_leader(self) -> str:
+        """The registry member that leads now. InvalidInput on targets without a registry."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
+    def kill_registry_member(self, member: str) -> dict[str, Any]:
+        """SIGKILL registry member `member` (undo: `restart_registry_member`)."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
+    def restart_registry_member(self, member: str) -> None:
+        """Start a killed registry member again from its data. Idempotent."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
+    def partition_registry_member(self, member: str) -> None:
+        """Drop every packet in and out of registry member `member` (undo:
+        `heal_registry_member`). Idempotent."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
+    def heal_registry_member(self, member: str) -> None:
+        """Undo partition_registry_member. Idempotent."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
 
     @abstractmethod
     def expire_token_cache(self, ttl_s: float) -> int:

@@ -25,6 +25,7 @@ from aiohttp.typedefs import Handler
 from llmchaos.errors import StackError
 from llmchaos.stack.gateway.auth import TokenAuthenticator, TokenDb
 from llmchaos.stack.gateway.degradation import Degradation
+from llmchaos.stack.gateway.discovery import Discovery
 from llmchaos.stack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from llmchaos.stack.gateway.proxy import Proxy
 from llmchaos.stack.gateway.routing import WorkerPool
@@ -81,6 +82,12 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._degradation_task: asyncio.Task[None] | None = None
+        self.discovery = (
+            Discovery(settings.discovery, self.pool, self.metrics.registry)
+            if settings.discovery.endpoints
+            else None
+        )
+        self._discovery_task: asyncio.Task[None] | None = None
         self.port = settings.port
         """Bound port (the real one when settings.port is 0)."""
 
@@ -97,6 +104,9 @@ class Gateway:
         )
         self._proxy = Proxy(self.settings, self.pool, self.metrics, self._session)
         # a first round before listening, so a fresh gateway does not 503 for one interval
+        if self.discovery is not None:
+            await self.discovery.poll(self._session)
+            self._discovery_task = asyncio.create_task(self.discovery.run(self._session))
         await self.pool.check_all(self._session)
         self._health_task = asyncio.create_task(self.pool.run_health_checks(self._session))
         self._degradation_task = asyncio.create_task(self.degradation.run(self._session))
@@ -130,7 +140,7 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop listening and release every connection, pool and thread."""
-        for task in (self._health_task, self._degradation_task):
+        for task in (self._health_task, self._degradation_task, self._discovery_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -59,6 +59,9 @@ class EmbeddedSettings(TargetSettings):
     degradation_latency_for_s: float = 120.0
     """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
     seed's 2 minutes)."""
+    discovery: Literal["static", "etcd"] = "static"
+    """Where the gateways find their workers: their settings, or a 3-member etcd registry a
+    registrar keeps filled (the registry experiments; needs an etcd binary)."""
     gpu_max_num_seqs: int = 256
     """Running-batch size of the GPU workers (vLLM --max-num-seqs); a small batch (a large
     model per GPU) saturates at a rate this machine can send (the autoscaling experiment)."""
@@ -121,6 +124,7 @@ class EmbeddedSettings(TargetSettings):
             degradation_latency_for_s=self.degradation_latency_for_s,
             queue_shed_threshold=2 * self.degradation_queue_threshold,
             gpu_max_num_seqs=self.gpu_max_num_seqs,
+            discovery=self.discovery,
             autoscale=self.autoscale,
             autoscale_min_replicas=self.autoscale_min_replicas,
             autoscale_target_utilization=self.autoscale_target_utilization,

@@ -26,8 +26,15 @@ from llmchaos.processes import pid_alive
 from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import http_get_status
+from llmchaos.stack.registry import MEMBERS, leader, restart_member
 from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
-from llmchaos.stack.topology import Topology, read_agent_state, read_replicas, read_secrets
+from llmchaos.stack.topology import (
+    RegistryInfo,
+    Topology,
+    read_agent_state,
+    read_replicas,
+    read_secrets,
+)
 from llmchaos.targets import Replicas, Target, TargetInfo, WorkerRef
 
 __all__ = ["EmbeddedTarget", "planned_info"]
@@ -50,6 +57,9 @@ def planned_info(config: StackConfig) -> TargetInfo:
         ),
         gateways=tuple(f"gateway-{role}" for role in roles),
         partitions_supported=use_netns(config),
+        registry_members=tuple(f"reg-{i}" for i in range(MEMBERS))
+        if config.discovery == "etcd"
+        else (),
     )
 
 
@@ -84,6 +94,9 @@ class EmbeddedTarget(Target):
             ),
             gateways=tuple(g.name for g in topology.gateways),
             partitions_supported=all(n.netns for n in topology.nodes),
+            registry_members=tuple(m.name for m in topology.registry.members)
+            if topology.registry
+            else (),
         )
 
     @property
@@ -147,6 +160,43 @@ class EmbeddedTarget(Target):
                 return gateway
         known = ", ".join(g.name for g in self.topology.gateways)
         raise InvalidInput(f"gateway: unknown gateway {name!r}; gateways: {known}")
+
+    # -- the registry ----------------------------------------------------------------------
+    def _registry(self) -> RegistryInfo:
+        registry = self.topology.registry
+        if registry is None:
+            raise InvalidInput("the stack has no registry (discovery etcd)")
+        return registry
+
+    def registry_leader(self) -> str:
+        return leader(self._registry().members)
+
+    def kill_registry_member(self, member: str) -> dict[str, Any]:
+        info = self._registry().member(member)
+        if not info.pid or not pid_alive(info.pid):
+            raise StackError(f"registry member {member} is not running (pid {info.pid})")
+        os.kill(info.pid, signal.SIGKILL)
+        return {"member": member, "pid": info.pid}
+
+    def restart_registry_member(self, member: str) -> None:
+        restart_member(self.topology, member)
+
+    def _member_netns(self, member: str) -> str:
+        namespace = self._registry().member(member).netns
+        if not namespace:
+            raise InvalidInput(
+                f"registry member {member!r} is not in a network namespace: partitions need "
+                "root (netns auto or on)"
+            )
+        return namespace
+
+    def partition_registry_member(self, member: str) -> None:
+        netns.partition_namespace(self._member_netns(member))
+
+    def heal_registry_member(self, member: str) -> None:
+        namespace = self._registry().member(member).netns
+        if namespace and namespace in netns.list_namespaces():
+            netns.heal_partition(namespace)
 
     def expire_token_cache(self, ttl_s: float) -> int:
         import redis
