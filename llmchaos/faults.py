@@ -184,4 +184,5 @@ def restore_registry(run: ChaosRun, member: str = "all") -> list[str]:
         run.ledger.close_matching(
             Undo("restart_registry_member", {"member": name}), by="restore_registry"
         )
+    run.target.wait_registry_ready()
     return names

@@ -293,6 +293,11 @@ class Target(ABC):
         """Start a killed registry member again from its data. Idempotent."""
         raise InvalidInput(f"{type(self).__name__}: no service registry")
 
+    def wait_registry_ready(self, timeout_s: float = 30.0) -> None:
+        """Until every registry member serves (a quorum and a leader). Raises
+        ComponentNotReady past `timeout_s`."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
     def partition_registry_member(self, member: str) -> None:
         """Drop every packet in and out of registry member `member` (undo:
         `heal_registry_member`). Idempotent."""

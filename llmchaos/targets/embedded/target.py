@@ -26,7 +26,7 @@ from llmchaos.processes import pid_alive
 from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import http_get_status
-from llmchaos.stack.registry import MEMBERS, leader, restart_member
+from llmchaos.stack.registry import MEMBERS, leader, restart_member, wait_ready
 from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
 from llmchaos.stack.topology import (
     RegistryInfo,
@@ -180,6 +180,9 @@ class EmbeddedTarget(Target):
 
     def restart_registry_member(self, member: str) -> None:
         restart_member(self.topology, member)
+
+    def wait_registry_ready(self, timeout_s: float = 30.0) -> None:
+        wait_ready(self._registry().members, timeout_s)
 
     def _member_netns(self, member: str) -> str:
         namespace = self._registry().member(member).netns
