@@ -93,10 +93,14 @@ _EMPTY_WINDOW: dict[str, Any] = {
 }
 
 
-def _window(run: ChaosRun, window_s: float, since_fault: bool) -> dict[str, Any]:
+def _window(
+    run: ChaosRun, window_s: float, since_fault: bool, whole_run: bool = False
+) -> dict[str, Any]:
     window_s = as_number("window_s", window_s)
     if window_s < 0:
         raise InvalidInput(f"window_s: expected seconds >= 0, got {window_s}")
+    if whole_run:
+        return run.traffic.window(since_ts=run.load_start_ts or run.traffic.wait_started())
     if since_fault:
         fault_ts = run.last_fault_ts()
         if fault_ts is None:
@@ -141,14 +145,15 @@ def error_rate(
     window_s: float = 0.0,
     since_fault: bool = False,
     classes: list[str] | None = None,
+    whole_run: bool = False,
 ) -> float:
-    """Failed share of the requests answered or dropped in the window, counting `classes`
-    (default: the run's SLO error classes) and dropped sends."""
+    """Failed share of the requests answered or dropped in the window (or the whole run so
+    far), counting `classes` (default: the run's SLO error classes) and dropped sends."""
     chosen = tuple(classes) if classes else run.settings.error_classes
     unknown = sorted(set(chosen) - set(ERROR_CLASSES))
     if unknown:
         raise InvalidInput(f"classes: unknown {unknown}; expected some of {list(ERROR_CLASSES)}")
-    return window_error_rate(_window(run, window_s, since_fault), chosen)
+    return window_error_rate(_window(run, window_s, since_fault, whole_run), chosen)
 
 
 def window_error_rate(window: dict[str, Any], classes: tuple[str, ...]) -> float:
@@ -160,9 +165,24 @@ def window_error_rate(window: dict[str, Any], classes: tuple[str, ...]) -> float
     return round((failures + window["dropped"]) / total, 5) if total else 0.0
 
 
-def frame_drops(run: ChaosRun, window_s: float = 0.0, since_fault: bool = True) -> int:
-    """Gaps of 3 s or more without a successful answer (since the last fault by default)."""
-    return int(_window(run, window_s, since_fault)["frame_drops"])
+def frame_drops(
+    run: ChaosRun, window_s: float = 0.0, since_fault: bool = True, whole_run: bool = False
+) -> int:
+    """Gaps of 3 s or more without a successful answer (since the last fault by default, or
+    over the whole run so far); the whole run's are noted for the report with their spacing."""
+    window = _window(run, window_s, since_fault, whole_run)
+    if whole_run:
+        events = window.get("frame_drop_events") or []
+        starts = [start for start, _ in events]
+        spacing = (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else None
+        prefix = "frame drops over the whole run:"
+        run.notes[:] = [n for n in run.notes if not n.startswith(prefix)]  # the latest count
+        run.notes.append(
+            f"{prefix} {len(events)}"
+            + (f" at {', '.join(f'+{s:g} s ({n:g} s)' for s, n in events)}" if events else "")
+            + (f"; mean spacing {spacing:.1f} s" if spacing is not None else "")
+        )
+    return int(window["frame_drops"])
 
 
 def achieved_qps(run: ChaosRun, window_s: float = 0.0) -> float:

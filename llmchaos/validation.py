@@ -285,7 +285,7 @@ SLO_OF_PROBE = {
 setting, so a tolerance with another limit would pass or fail a run the report calls the
 opposite (one SLO, one source). A probe narrowed by `since_fault` or `classes` measures
 something else, with a limit of its own."""
-_NARROWING = ("since_fault", "classes")
+_NARROWING = ("since_fault", "classes", "whole_run")
 
 
 def _tolerance_limit(tolerance: Any) -> Any:

@@ -143,7 +143,7 @@ class Aggregate:
         span_s = max(min(math.ceil(to_s), self.now_s()) - math.ceil(from_s), 1e-9)
         m = self._merged(from_s, to_s)
         done = m.done
-        drops, drop_s = frame_drops(self.ok_slots, from_s, min(to_s, self.now_s()))
+        events = frame_drop_events(self.ok_slots, from_s, min(to_s, self.now_s()))
         answered_modes = sum(m.modes.values())
         last_ok = max(self.ok_slots) / SLOTS_PER_S if self.ok_slots else None
         return {
@@ -170,8 +170,9 @@ class Aggregate:
             "itl_ms": quantiles(m.hist["itl_ms"]),
             "tpot_ms": quantiles(m.hist["tpot_ms"]),
             "schedule_lag_ms": quantiles(m.hist["lag_ms"]),
-            "frame_drops": drops,
-            "frame_drop_s": drop_s,
+            "frame_drops": len(events),
+            "frame_drop_s": round(sum(length for _, length in events), 1),
+            "frame_drop_events": [list(event) for event in events],
             "seconds_since_last_ok": None if last_ok is None else round(self.now_s() - last_ok, 1),
             "serving_mode_share": {
                 mode: round(n / answered_modes, 4) for mode, n in m.modes.items()

@@ -59,6 +59,9 @@ class EmbeddedSettings(TargetSettings):
     degradation_latency_for_s: float = 120.0
     """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
     seed's 2 minutes)."""
+    queue_shed_threshold: int = 1000
+    """The gateways' last line: 429 above this estimated queue, degraded or not (twice the
+    degradation threshold by default)."""
     discovery: Literal["static", "etcd"] = "static"
     """Where the gateways find their workers: their settings, or a 3-member etcd registry a
     registrar keeps filled (the registry experiments; needs an etcd binary)."""
@@ -92,6 +95,7 @@ class EmbeddedSettings(TargetSettings):
         "tenants": Range(1, 100_000),
         "degradation_queue_threshold": Range(1, 1_000_000),
         "degradation_latency_for_s": Range(0, 86_400),
+        "queue_shed_threshold": Range(1, 1_000_000),
         "gpu_max_num_seqs": Range(1, 4096),
         "autoscale_min_replicas": Range(1, 64),
         "autoscale_target_utilization": Range(0, 100, low_open=True),
@@ -122,7 +126,7 @@ class EmbeddedSettings(TargetSettings):
             tenants=self.tenants,
             degradation_queue_threshold=self.degradation_queue_threshold,
             degradation_latency_for_s=self.degradation_latency_for_s,
-            queue_shed_threshold=2 * self.degradation_queue_threshold,
+            queue_shed_threshold=self.queue_shed_threshold,
             gpu_max_num_seqs=self.gpu_max_num_seqs,
             discovery=self.discovery,
             autoscale=self.autoscale,
