@@ -49,9 +49,7 @@ def partition_node(run: ChaosRun, node: str) -> str:
     info = run.target.info()
     real = info.node_name(node)
     if not info.partitions_supported:
-        raise InvalidInput(
-            "partition_node: nodes are not network namespaces here (run as root, netns auto)"
-        )
+        raise InvalidInput(f"partition_node: needs {info.partitions_need}")
     with run.fault("partition_node", real, Undo("heal_partition", {"node": real})):
         run.target.partition_node(real)
     return real

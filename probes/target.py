@@ -12,6 +12,7 @@ __all__ = [
     "degradation_trigger_delay_s",
     "degraded_unshed_failure_rate",
     "healthy_workers",
+    "kv_cache_usage",
     "pulse_error_rate",
     "pulse_p99_ms",
     "queue_depth",
@@ -29,6 +30,12 @@ __all__ = [
 def queue_depth() -> float:
     """Requests waiting in the engines now: sum of vllm:num_requests_waiting."""
     return measure.queue_depth(current_run())
+
+
+def kv_cache_usage() -> float:
+    """The fullest KV cache of the target's engines now (0..1: vllm:kv_cache_usage_perc, or
+    the engine kind's own name on the hosts target)."""
+    return measure.kv_cache_usage(current_run())
 
 
 def serving_mode_share(mode: str = "cpu", window_s: float = 0.0, since_fault: bool = True) -> float:

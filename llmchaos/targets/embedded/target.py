@@ -36,6 +36,7 @@ from llmchaos.stack.topology import (
     read_secrets,
 )
 from llmchaos.targets import Replicas, Target, TargetInfo, WorkerRef
+from llmchaos.targets.cache import expire_keys
 
 __all__ = ["EmbeddedTarget", "planned_info"]
 
@@ -57,6 +58,7 @@ def planned_info(config: StackConfig) -> TargetInfo:
         ),
         gateways=tuple(f"gateway-{role}" for role in roles),
         partitions_supported=use_netns(config),
+        partitions_need="nodes as network namespaces: root, with netns auto or on",
         registry_members=tuple(f"reg-{i}" for i in range(MEMBERS))
         if config.discovery == "etcd"
         else (),
@@ -202,28 +204,9 @@ class EmbeddedTarget(Target):
             netns.heal_partition(namespace)
 
     def expire_token_cache(self, ttl_s: float) -> int:
-        import redis
-
         password = read_secrets(self._state_dir).redis_password
-        client = redis.Redis.from_url(
-            self.topology.redis_url, password=password, socket_timeout=5.0
-        )
-        try:
-            keys = list(client.scan_iter("token:*", count=1000))
-            if not keys:
-                return 0
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                if ttl_s > 0:
-                    pipe.pexpire(key, max(1, int(ttl_s * 1000)))
-                else:
-                    pipe.delete(key)
-            pipe.execute()
-        except redis.RedisError as exc:
-            raise StackError(f"token cache {self.topology.redis_url}: {exc}") from None
-        finally:
-            client.close()
-        return len(keys)
+        url = self.topology.redis_url
+        return expire_keys(url, password, "token:*", ttl_s, url)
 
     # -- readings ------------------------------------------------------------------------
     def queue_depth(self) -> float:
@@ -281,6 +264,14 @@ class EmbeddedTarget(Target):
         if not answered:
             raise StackError(f"no gateway answered /metrics for {name}")
         return sum(answered)
+
+    def kv_cache_usage(self) -> float | None:
+        shares = [
+            _metric(worker.url + "/metrics", "vllm:kv_cache_usage_perc")
+            for node in self._topology.nodes
+            for worker in node.workers
+        ]
+        return max(shares, default=None)
 
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
         """Each worker that died after `since_ts`, from its node agent (the kubelet here):
