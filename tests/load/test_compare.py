@@ -7,21 +7,27 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import StackFactory
 from llmchaos.errors import InvalidInput
 from llmchaos.load.compare import figures_of, parse_endpoint
 from llmchaos.load.histogram import LogHistogram
+from llmchaos.stack.topology import Topology
 
 from .conftest import REPO, FakeServer
 
 STEP_S = 8.0
 STALL_AT_S, STALL_S = 12.0, 4.0
+EMBEDDED_STEP_S = 10.0
+REQUESTS = "llmchaos_gateway_requests_total"
 
 
 def test_two_providers_side_by_side(fake_server: Callable[..., FakeServer], tmp_path: Path) -> None:
@@ -143,3 +149,62 @@ def test_a_missing_key_variable_stops_before_any_load(
         done.stderr
     )
     assert not (tmp_path / "x" / "a" / "locust.log").exists()
+
+
+def _gateway_count(topology: Topology, name: str, **labels: str) -> float:
+    """Sum over the stack's gateways of the samples `name` with `labels`: the server's own
+    count, the reference for the client's."""
+    total = 0.0
+    for gateway in topology.gateways:
+        with urllib.request.urlopen(gateway.url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    total += sample.value
+    return total
+
+
+@pytest.mark.slow
+def test_two_embedded_stacks_hardened_against_late_degradation(
+    stack_factory: StackFactory, tmp_path: Path
+) -> None:
+    # The same stepped overload, at once (the soak's stacks: batches of 32, degraded at 100
+    # queued) against the hardened stack, which sheds with 429 past the threshold, and
+    # late-degradation, whose queue grows towards the shed limit of 1000: requests wait past
+    # the timeout, then a frame drop.
+    overload = {"gpu_max_num_seqs": 32, "degradation_queue_threshold": 100}
+    stacks = {
+        "hardened": stack_factory(variant="hardened", **overload),
+        "late": stack_factory(variant="late-degradation", **overload),
+    }
+    out = tmp_path / "compare"
+    argv = [sys.executable, "-m", "llmchaos.cli", "compare", "--mode", "parallel"]
+    for name, topology in stacks.items():
+        argv += ["--endpoint", f"{name}={topology.gateway_url},tokens={topology.tokens_file}"]
+    argv += ["--start-qps", "40", "--step-qps", "40", "--max-qps", "120"]
+    argv += ["--step-s", str(EMBEDDED_STEP_S), "--stream-share", "0", "--out", str(out)]
+    argv += ["--prompt-tokens", "64", "--output-tokens", "64", "--model", stacks["late"].model]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "compare.md").read_text() in done.stdout  # the table printed is the one written
+    data = json.loads((out / "compare.json").read_text())
+    by_name = {e["endpoint"]["name"]: e for e in data["endpoints"]}
+
+    # the client's counts against the gateways' own: every 429 the client got is one the
+    # gateways sent; every success a 200 there (a 200 may also have gone to a client that
+    # had given up: a timeout here)
+    for name, topology in stacks.items():
+        failed, ok = by_name[name]["summary"]["failed"], by_name[name]["summary"]["ok"]
+        assert failed["429"] == _gateway_count(topology, REQUESTS, code="429"), name
+        sent_200 = _gateway_count(topology, REQUESTS, code="200")
+        assert ok <= sent_200 <= ok + failed["timeout"], (name, ok, sent_200, failed)
+    # the same first step, served alike; then hardened sheds (429) where late times out
+    hardened, late = by_name["hardened"], by_name["late"]
+    for endpoint in (hardened, late):
+        assert endpoint["steps"][0]["error_rate"] == 0.0, endpoint["steps"][0]
+    assert hardened["steps"][-1]["error_rate_by_class"]["429"] > 0.05, hardened["steps"][-1]
+    timeouts = [e["whole"]["error_rate_by_class"]["timeout"] for e in (hardened, late)]
+    assert timeouts[1] > max(5 * timeouts[0], 0.05), timeouts
+    assert late["whole"]["error_rate"] > hardened["whole"]["error_rate"] + 0.1
+    assert late["whole"]["frame_drops"] >= hardened["whole"]["frame_drops"]
