@@ -32,11 +32,9 @@ State (the decisions, newest last) is written to `state_path` after every sync.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import signal
 import sys
 import time
 import urllib.error
@@ -44,11 +42,10 @@ import urllib.request
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import FrameType
 
 from llmchaos.errors import InvalidInput
 from llmchaos.files import write_json_atomic
-from llmchaos.stack.settings import load_settings
+from llmchaos.stack.settings import run_loop_process
 from llmchaos.stack.topology import read_replicas, write_replicas
 
 __all__ = [
@@ -306,25 +303,13 @@ class _Autoscaler:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmchaos.stack.autoscaler")
-    parser.add_argument("--settings", type=Path, required=True, help="AutoscalerSettings JSON")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s autoscaler %(levelname)s %(message)s"
+    return run_loop_process(
+        "autoscaler",
+        AutoscalerSettings,
+        _Autoscaler,
+        lambda a: f"autoscaling {a.settings.pool} at {a.hpa.current} replicas",
+        argv,
     )
-    try:
-        autoscaler = _Autoscaler(load_settings(AutoscalerSettings, args.settings))
-    except (InvalidInput, OSError, ValueError) as exc:
-        print(f"llmchaos autoscaler: {exc}", file=sys.stderr)
-        return 2
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        autoscaler.stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    log.info("autoscaling %s at %d replicas", autoscaler.settings.pool, autoscaler.hpa.current)
-    return autoscaler.run()
 
 
 if __name__ == "__main__":

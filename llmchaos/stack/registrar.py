@@ -13,21 +13,17 @@ back (or expired the lease meanwhile) is whole again within a round.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import signal
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from llmchaos.errors import InvalidInput, StackError
+from llmchaos.errors import StackError
 from llmchaos.stack import etcd
 from llmchaos.stack.procs import http_get_status
-from llmchaos.stack.settings import UpstreamWorker, load_settings
+from llmchaos.stack.settings import UpstreamWorker, run_loop_process
 
 __all__ = ["RegistrarSettings", "main"]
 
@@ -122,29 +118,15 @@ class _Registrar:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmchaos.stack.registrar")
-    parser.add_argument("--settings", type=Path, required=True, help="RegistrarSettings JSON")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s registrar %(levelname)s %(message)s"
+    return run_loop_process(
+        "registrar",
+        RegistrarSettings,
+        _Registrar,
+        lambda r: (
+            f"keeping {len(r.settings.workers)} worker(s) under {json.dumps(r.settings.prefix)}"
+        ),
+        argv,
     )
-    try:
-        registrar = _Registrar(load_settings(RegistrarSettings, args.settings))
-    except InvalidInput as exc:
-        print(f"llmchaos registrar: {exc}", file=sys.stderr)
-        return 2
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        registrar.stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    log.info(
-        "keeping %d worker(s) under %s",
-        len(registrar.settings.workers),
-        json.dumps(registrar.settings.prefix),
-    )
-    return registrar.run()
 
 
 if __name__ == "__main__":

@@ -7,13 +7,18 @@ process's settings as JSON into the stack's state folder, and the process reads 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import logging
+import signal
+import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from llmchaos.errors import InvalidInput
 
@@ -29,6 +34,7 @@ __all__ = [
     "UpstreamWorker",
     "WorkerSettings",
     "load_settings",
+    "run_loop_process",
     "settings_from_dict",
     "settings_to_dict",
     "write_settings",
@@ -345,3 +351,41 @@ def load_settings(cls: type[_T], path: Path) -> _T:
     except (OSError, ValueError) as exc:
         raise InvalidInput(f"{path}: cannot read settings: {exc}") from exc
     return settings_from_dict(cls, data, str(path))
+
+
+class _Loop(Protocol):
+    stopping: bool
+
+    def run(self) -> int: ...
+
+
+_L = TypeVar("_L", bound=_Loop)
+
+
+def run_loop_process(
+    name: str,
+    cls: type[_T],
+    build: Callable[[_T], _L],
+    started: Callable[[_L], str],
+    argv: list[str] | None = None,
+) -> int:
+    """The main of a stack process that runs one loop from its settings file until SIGTERM or
+    SIGINT (`python -m llmchaos.stack.<name> --settings FILE`): exit 2 with one line when the
+    settings cannot be used, else the loop's own exit code. `started` says what it runs."""
+    parser = argparse.ArgumentParser(prog=f"python -m llmchaos.stack.{name}")
+    parser.add_argument("--settings", type=Path, required=True, help=f"{cls.__name__} JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    try:
+        loop = build(load_settings(cls, args.settings))
+    except (InvalidInput, OSError, ValueError) as exc:
+        print(f"llmchaos {name}: {exc}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum: int, _frame: types.FrameType | None) -> None:
+        loop.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    logging.getLogger(f"llmchaos.{name}").info("%s", started(loop))
+    return loop.run()
