@@ -21,8 +21,12 @@ __all__ = [
     "heal_partition",
     "inject_burst",
     "kill_gpu_process",
+    "kill_registry_member",
     "partition_node",
+    "partition_registry_member",
+    "registry_members",
     "restore_gateway",
+    "restore_registry",
     "set_qps",
 ]
 
@@ -130,3 +134,53 @@ def inject_burst(run: ChaosRun, duration_s: float = 10.0, factor: float = 1.0) -
     with run.fault("inject_burst", f"load x{1 + factor:g} for {duration_s:g} s", None):
         run.traffic.inject_burst(duration_s=duration_s, factor=factor)
     return run.current_qps * factor
+
+
+def registry_members(run: ChaosRun, member: str) -> list[str]:
+    """The registry members `member` names: "leader" (the one leading now, asked of the
+    registry), "all", or a member's name. Raises InvalidInput without a registry."""
+    info = run.target.info()
+    if member == "leader":
+        info.registry_member_names("all")  # there is a registry at all
+        return [run.target.registry_leader()]
+    return info.registry_member_names(member)
+
+
+def kill_registry_member(run: ChaosRun, member: str = "leader") -> list[dict[str, Any]]:
+    """SIGKILL registry members ("leader", "all" or a name); each is started again from its
+    data at the run's end (or by restore_registry). Returns [{"member", "pid"}]."""
+    killed = []
+    for name in registry_members(run, member):
+        undo = Undo("restart_registry_member", {"member": name})
+        with run.fault("kill_registry_member", name, undo) as details:
+            details.update(run.target.kill_registry_member(name))
+        killed.append(dict(details))
+    return killed
+
+
+def partition_registry_member(run: ChaosRun, member: str = "all") -> list[str]:
+    """Drop every packet in and out of registry members ("leader", "all" or a name), peers
+    and clients alike, until restore_registry (or the run's end). Returns the names."""
+    names = registry_members(run, member)
+    for name in names:
+        undo = Undo("heal_registry_member", {"member": name})
+        with run.fault("partition_registry_member", name, undo):
+            run.target.partition_registry_member(name)
+    return names
+
+
+def restore_registry(run: ChaosRun, member: str = "all") -> list[str]:
+    """Heal and restart registry members (idempotent); closes their faults."""
+    names = run.target.info().registry_member_names(member)
+    for name in names:
+        run.target.heal_registry_member(name)
+        run.ledger.close_matching(
+            Undo("heal_registry_member", {"member": name}), by="restore_registry"
+        )
+    for name in names:
+        run.target.restart_registry_member(name)
+        run.ledger.close_matching(
+            Undo("restart_registry_member", {"member": name}), by="restore_registry"
+        )
+    run.target.wait_registry_ready()
+    return names

@@ -39,11 +39,14 @@ __all__ = ["ALLURE_CATEGORIES", "SUITES", "GamedayResult", "run_gameday"]
 REPO = Path(__file__).resolve().parent.parent
 ALLURE_BIN = REPO / "node_modules" / ".bin" / "allure"
 SUITES: dict[str, list[str]] = {
-    "nightly": [],
-    "smoke": ["-k", "default"],
+    "nightly": ["-m", "resilience"],
+    "smoke": ["-m", "resilience", "-k", "default"],
+    "soak": ["-m", "soak"],
 }
-"""Suite name -> extra pytest arguments: nightly = every experiment and negative control;
-smoke = the experiments on the default stack only."""
+"""Suite name -> pytest arguments: nightly = every experiment of the catalogue and its
+negative controls; smoke = the catalogue on the default stack only; soak = the soak
+experiments (experiments/soak/: hours; LLMCHAOS_SOAK_STEP_S compresses them) and their
+negative controls, frame drops counted over each whole run."""
 
 ALLURE_CATEGORIES = [
     {
@@ -104,8 +107,8 @@ def run_gameday(
     folder = root / time.strftime("%Y%m%d-%H%M%S")
     results = folder / "allure-results"
     results.mkdir(parents=True)
-    argv = [sys.executable, "-m", "pytest", str(REPO / "suites"), "-m", "resilience"]
-    argv += ["--alluredir", str(results), "-p", "no:cacheprovider", "-q", *SUITES[suite]]
+    argv = [sys.executable, "-m", "pytest", str(REPO / "suites"), *SUITES[suite]]
+    argv += ["--alluredir", str(results), "-p", "no:cacheprovider", "-q"]
     if select:
         argv += ["-k", select]
     env = {**os.environ, "LLMCHAOS_SUITE_DIR": str(folder / "runs"), "LLMCHAOS_TARGET": target}

@@ -16,13 +16,18 @@ import time
 from typing import Any
 
 from llmchaos.analysis import SecondRecord, Slo, recovery, rolling_windows
-from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.errors import InvalidInput, LLMChaosError, StackError
 from llmchaos.run import ChaosRun
 from llmchaos.settings import ERROR_CLASSES, as_number
 
 __all__ = [
+    "DEGRADED_COUNTER",
+    "UNSHED_CLASSES",
+    "NotMeasured",
     "NotRecovered",
     "achieved_qps",
+    "degradation_trigger_delay_s",
+    "degraded_unshed_failure_rate",
     "error_rate",
     "frame_drops",
     "goodput_qps",
@@ -30,13 +35,21 @@ __all__ = [
     "itl_p99_ms",
     "kv_cache_usage",
     "p99_latency_ms",
+    "pulse_error_rate",
+    "pulse_p99_ms",
     "queue_depth",
     "recovery_time_s",
+    "registry_has_leader",
+    "scale_in_s",
+    "scale_out_s",
     "served_in_mode_since_fault",
     "serving_mode_share",
     "slo",
     "tpot_p99_ms",
     "ttft_p99_ms",
+    "watch_degradation",
+    "watch_scale_in",
+    "watch_scale_out",
     "window_error_rate",
     "worst_p99_ms_since_fault",
 ]
@@ -48,6 +61,17 @@ _POLL_S = 1.0
 
 class NotRecovered(LLMChaosError):
     """The SLO did not hold again for the stable period before the probe's deadline."""
+
+
+class NotMeasured(LLMChaosError):
+    """What a probe of the hypothesis judges did not happen during the method (a trigger
+    that never fired, a queue that never drained)."""
+
+
+DEGRADED_COUNTER = "service_degraded_total"
+"""The gateways' count of entries into degraded mode (llmchaos.stack.gateway.degradation)."""
+DEGRADED_ANSWERS = "llmchaos_gateway_degraded_requests_total"
+_WATCH_POLL_S = 0.1
 
 
 def slo(run: ChaosRun) -> Slo:
@@ -70,10 +94,14 @@ _EMPTY_WINDOW: dict[str, Any] = {
 }
 
 
-def _window(run: ChaosRun, window_s: float, since_fault: bool) -> dict[str, Any]:
+def _window(
+    run: ChaosRun, window_s: float, since_fault: bool, whole_run: bool = False
+) -> dict[str, Any]:
     window_s = as_number("window_s", window_s)
     if window_s < 0:
         raise InvalidInput(f"window_s: expected seconds >= 0, got {window_s}")
+    if whole_run:
+        return run.traffic.window(since_ts=run.load_start_ts or run.traffic.wait_started())
     if since_fault:
         fault_ts = run.last_fault_ts()
         if fault_ts is None:
@@ -118,14 +146,15 @@ def error_rate(
     window_s: float = 0.0,
     since_fault: bool = False,
     classes: list[str] | None = None,
+    whole_run: bool = False,
 ) -> float:
-    """Failed share of the requests answered or dropped in the window, counting `classes`
-    (default: the run's SLO error classes) and dropped sends."""
+    """Failed share of the requests answered or dropped in the window (or the whole run so
+    far), counting `classes` (default: the run's SLO error classes) and dropped sends."""
     chosen = tuple(classes) if classes else run.settings.error_classes
     unknown = sorted(set(chosen) - set(ERROR_CLASSES))
     if unknown:
         raise InvalidInput(f"classes: unknown {unknown}; expected some of {list(ERROR_CLASSES)}")
-    return window_error_rate(_window(run, window_s, since_fault), chosen)
+    return window_error_rate(_window(run, window_s, since_fault, whole_run), chosen)
 
 
 def window_error_rate(window: dict[str, Any], classes: tuple[str, ...]) -> float:
@@ -137,9 +166,24 @@ def window_error_rate(window: dict[str, Any], classes: tuple[str, ...]) -> float
     return round((failures + window["dropped"]) / total, 5) if total else 0.0
 
 
-def frame_drops(run: ChaosRun, window_s: float = 0.0, since_fault: bool = True) -> int:
-    """Gaps of 3 s or more without a successful answer (since the last fault by default)."""
-    return int(_window(run, window_s, since_fault)["frame_drops"])
+def frame_drops(
+    run: ChaosRun, window_s: float = 0.0, since_fault: bool = True, whole_run: bool = False
+) -> int:
+    """Gaps of 3 s or more without a successful answer (since the last fault by default, or
+    over the whole run so far); the whole run's are noted for the report with their spacing."""
+    window = _window(run, window_s, since_fault, whole_run)
+    if whole_run:
+        events = window.get("frame_drop_events") or []
+        starts = [start for start, _ in events]
+        spacing = (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else None
+        prefix = "frame drops over the whole run:"
+        run.notes[:] = [n for n in run.notes if not n.startswith(prefix)]  # the latest count
+        run.notes.append(
+            f"{prefix} {len(events)}"
+            + (f" at {', '.join(f'+{s:g} s ({n:g} s)' for s, n in events)}" if events else "")
+            + (f"; mean spacing {spacing:.1f} s" if spacing is not None else "")
+        )
+    return int(window["frame_drops"])
 
 
 def achieved_qps(run: ChaosRun, window_s: float = 0.0) -> float:
@@ -250,3 +294,303 @@ def worst_p99_ms_since_fault(run: ChaosRun) -> float:
     s = run.settings
     windows = rolling_windows(_records_since(run, fault_ts), slo(run), s.window_s)
     return max((w.p99_ms or 0.0 for w in windows), default=0.0)
+
+
+def watch_degradation(
+    run: ChaosRun,
+    queue_depth_threshold: float = 500,
+    timeout_s: float = 30.0,
+    degraded_for_s: float = 10.0,
+) -> dict[str, Any]:
+    """From now on, read the engines' queue (their vllm:num_requests_waiting) and the
+    gateways' service_degraded_total every 0.1 s: when the queue first passes the threshold
+    and when the counter first moves (up to `timeout_s`); after the jump, go on for
+    `degraded_for_s` (the overload seen in degraded mode). The figures go to the run's
+    findings, for `degradation_trigger_delay_s` and `degraded_unshed_failure_rate`, and are
+    returned."""
+    threshold = as_number("queue_depth_threshold", queue_depth_threshold)
+    timeout_s = as_number("timeout_s", timeout_s)
+    degraded_for_s = as_number("degraded_for_s", degraded_for_s)
+    target = run.target
+    started = time.time()
+    entered0 = target.gateway_metric(DEGRADED_COUNTER)
+    answers0 = target.gateway_metric(DEGRADED_ANSWERS)
+    crossed = jumped = None
+    unread = 0
+    peak = peak_degraded = 0.0
+    while True:
+        now = time.time() - started
+        if jumped is None and now >= timeout_s:
+            break
+        if jumped is not None and now >= jumped + degraded_for_s:
+            break
+        queue = target.queue_depth()
+        peak = max(peak, queue)
+        if crossed is None and queue > threshold:
+            crossed = now
+        if jumped is None:
+            try:
+                if target.gateway_metric(DEGRADED_COUNTER) > entered0:
+                    jumped = now
+            except StackError:
+                unread += 1  # not seen is not zero: read again next time
+        if jumped is not None:
+            peak_degraded = max(peak_degraded, queue)
+        time.sleep(_WATCH_POLL_S)
+    found = {
+        "queue_depth_threshold": threshold,
+        "queue_crossed_at_s": None if crossed is None else round(crossed, 2),
+        "counter_jumped_at_s": None if jumped is None else round(jumped, 2),
+        "delay_s": None if crossed is None or jumped is None else round(jumped - crossed, 2),
+        "peak_queue": peak,
+        "peak_queue_degraded": peak_degraded,
+        "degraded_answers": _increase(target, DEGRADED_ANSWERS, answers0),
+        "degraded_from_ts": None if jumped is None else round(started + jumped, 3),
+        "degraded_to_ts": round(time.time(), 3),
+        "watched_s": round(time.time() - started, 1),
+        "unanswered_counter_reads": unread,
+    }
+    run.findings["degradation"] = found
+    shown = ("queue_crossed_at_s", "counter_jumped_at_s", "delay_s", "peak_queue")
+    run.notes.append(
+        "degradation watch: "
+        + ", ".join(f"{k} {found[k]}" for k in shown)
+        + f", degraded answers {found['degraded_answers']}"
+    )
+    log.info("llmchaos: degradation watch: %s", found)
+    return found
+
+
+def _increase(target: Any, name: str, before: float) -> float | None:
+    """How much the gateways' `name` grew since `before`; None when none answered."""
+    try:
+        return float(target.gateway_metric(name) - before)
+    except StackError:
+        return None
+
+
+def _degradation(run: ChaosRun) -> dict[str, Any] | None:
+    return run.findings.get("degradation")
+
+
+def degradation_trigger_delay_s(run: ChaosRun) -> float:
+    """Seconds from the engines' queue passing the threshold to the gateways' jump of
+    service_degraded_total, as `watch_degradation` saw them (0 when it has not run: before
+    the method; at least 0: a gateway that saw the crossing before the watch did fired at
+    once). Raises NotMeasured when the queue never passed the threshold or the counter never
+    moved."""
+    found = _degradation(run)
+    if found is None:
+        return 0.0
+    threshold = f"{found['queue_depth_threshold']:g}"
+    if found["queue_crossed_at_s"] is None:
+        raise NotMeasured(
+            f"the engines' queue never passed {threshold} in {found['watched_s']} s (peak "
+            f"{found['peak_queue']:g}): the load did not drive it there; raise the rate"
+        )
+    if found["counter_jumped_at_s"] is None:
+        raise NotMeasured(
+            f"the engines' queue passed {threshold} at +{found['queue_crossed_at_s']} s (peak "
+            f"{found['peak_queue']:g}) and {DEGRADED_COUNTER} did not move within "
+            f"{found['watched_s']} s: the degradation trigger did not fire"
+        )
+    return max(0.0, float(found["delay_s"]))
+
+
+UNSHED_CLASSES = ("5xx", "timeout", "connection", "bad_body")
+"""Failures a degraded service should not give: every class but the 429 it sheds with."""
+
+
+def degraded_unshed_failure_rate(run: ChaosRun) -> float:
+    """Share of the requests scheduled while degraded under the overload (as
+    `watch_degradation` saw it) that failed other than by a 429: timeouts, 5xx, broken
+    answers. Waits until those requests have all answered or timed out. 0 before the method;
+    raises NotMeasured when the gateways never degraded."""
+    found = _degradation(run)
+    if found is None:
+        return 0.0
+    if found["degraded_from_ts"] is None:
+        raise NotMeasured(
+            f"{DEGRADED_COUNTER} never moved during the {found['watched_s']} s watch: there "
+            "was no degraded mode to judge"
+        )
+    since, until = found["degraded_from_ts"], found["degraded_to_ts"]
+    window = _settled_window(run, since, until)
+    rate = window_error_rate(window, UNSHED_CLASSES)
+    log.info(
+        "llmchaos: while degraded: %s ok, failed %s, %.1f%% failed other than by a 429",
+        window["ok"],
+        window["failed"],
+        rate * 100,
+    )
+    return rate
+
+
+def _settled_window(run: ChaosRun, since_ts: float, until_ts: float) -> dict[str, Any]:
+    """The load's window of the requests scheduled in [since_ts, until_ts), once they have all
+    answered or timed out (or the request timeout and 5 s have passed)."""
+    deadline = until_ts + run.settings.request_timeout_s + 5.0
+    window = run.traffic.window(since_ts=since_ts, until_ts=until_ts)
+    while window["in_flight"] > 0 and time.time() < deadline:
+        time.sleep(_POLL_S)
+        window = run.traffic.window(since_ts=since_ts, until_ts=until_ts)
+    return window
+
+
+def watch_scale_out(run: ChaosRun, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Right after the load's pulse starts (its fault): read the GPU pool's replicas every
+    0.5 s until the autoscaler has asked for more and as many are ready, or `timeout_s`. The
+    times (from the pulse's start) go to the run's findings and are returned."""
+    timeout_s = as_number("timeout_s", timeout_s)
+    target = run.target
+    pulse_ts = run.last_fault_ts() or time.time()
+    before = target.replicas()
+    decided = ready = None
+    peak = before.desired
+    last = before
+    while time.time() - pulse_ts < timeout_s:
+        last = target.replicas()
+        now = time.time() - pulse_ts
+        peak = max(peak, last.desired)
+        if decided is None and last.desired > before.desired:
+            decided = now
+        if decided is not None and last.ready >= last.desired:
+            ready = now
+            break
+        time.sleep(_WATCH_POLL_S * 5)
+    found = {
+        "pulse_started_ts": round(pulse_ts, 3),
+        "replicas_before": before.desired,
+        "ready_before": before.ready,
+        "autoscaled": before.autoscaled,
+        "scale_out_decided_after_s": None if decided is None else round(decided, 2),
+        "scale_out_ready_after_s": None if ready is None else round(ready, 2),
+        "replicas_after_scale_out": last.desired,
+        "ready_after_scale_out": last.ready,
+        "replicas_peak": peak,
+        "last_detail": last.detail,
+    }
+    run.findings["autoscaling"] = found
+    run.notes.append(
+        f"autoscaling: {before.desired} -> {last.desired} replicas, decided after "
+        f"{found['scale_out_decided_after_s']} s, ready after {found['scale_out_ready_after_s']} s"
+    )
+    log.info("llmchaos: scale-out watch: %s", found)
+    return found
+
+
+def watch_scale_in(run: ChaosRun, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Right after the pulse ends (the load back at its base rate, the last fault): read the
+    replicas every 0.5 s until the pool is back at its minimum (desired and ready), or
+    `timeout_s`. Adds the time to the run's findings and returns them."""
+    timeout_s = as_number("timeout_s", timeout_s)
+    found = run.findings.setdefault("autoscaling", {})
+    target = run.target
+    end_ts = run.last_fault_ts() or time.time()
+    floor = found.get("replicas_before")
+    scaled_in = None
+    last = target.replicas()
+    while time.time() - end_ts < timeout_s:
+        last = target.replicas()
+        floor = last.min_replicas if last.min_replicas is not None else floor
+        if floor is not None and last.desired <= floor and last.ready <= floor:
+            scaled_in = time.time() - end_ts
+            break
+        time.sleep(_WATCH_POLL_S * 5)
+    found.update(
+        {
+            "pulse_ended_ts": round(end_ts, 3),
+            "scaled_in_after_s": None if scaled_in is None else round(scaled_in, 2),
+            "replicas_at_end": last.desired,
+            "min_replicas": floor,
+        }
+    )
+    run.notes.append(
+        f"autoscaling: back to {last.desired} replicas after {found['scaled_in_after_s']} s"
+    )
+    log.info("llmchaos: scale-in watch: %s", found)
+    return found
+
+
+def _autoscaling(run: ChaosRun) -> dict[str, Any] | None:
+    return run.findings.get("autoscaling")
+
+
+def scale_out_s(run: ChaosRun) -> float:
+    """Seconds from the pulse's start until the replicas the autoscaler asked for were ready
+    (0 before the method). Raises NotMeasured when it never scaled out."""
+    found = _autoscaling(run)
+    if found is None:
+        return 0.0
+    if found.get("scale_out_ready_after_s") is None:
+        if found.get("scale_out_decided_after_s") is None:
+            raise NotMeasured(
+                f"the GPU pool stayed at {found['replicas_after_scale_out']} replicas through "
+                f"the pulse (autoscaler {'on' if found['autoscaled'] else 'off'}; "
+                f"{found['last_detail'] or 'no decision seen'})"
+            )
+        raise NotMeasured(
+            f"the autoscaler asked for {found['replicas_after_scale_out']} replicas after "
+            f"{found['scale_out_decided_after_s']} s, but only {found['ready_after_scale_out']} "
+            "were ready when the watch ended"
+        )
+    return float(found["scale_out_ready_after_s"])
+
+
+def scale_in_s(run: ChaosRun) -> float:
+    """Seconds from the pulse's end until the pool was back at its minimum (0 before the
+    method). Raises NotMeasured when it did not come back."""
+    found = _autoscaling(run)
+    if found is None or "pulse_ended_ts" not in found:
+        return 0.0
+    if found["scaled_in_after_s"] is None:
+        raise NotMeasured(
+            f"the GPU pool was still at {found['replicas_at_end']} replicas (minimum "
+            f"{found['min_replicas']}) when the scale-in watch ended"
+        )
+    return float(found["scaled_in_after_s"])
+
+
+def _pulse_window(run: ChaosRun) -> dict[str, Any] | None:
+    """The requests scheduled during the pulse once it had scaled out (plus one SLO window
+    for the new replicas' queues to clear), settled; None before the method."""
+    found = _autoscaling(run)
+    if found is None or "pulse_ended_ts" not in found:
+        return None
+    if found.get("scale_out_ready_after_s") is None:
+        raise NotMeasured("the GPU pool never scaled out: there is no scaled pulse to judge")
+    since = found["pulse_started_ts"] + found["scale_out_ready_after_s"] + run.settings.window_s
+    until = found["pulse_ended_ts"]
+    if until - since < 1.0:
+        raise NotMeasured(
+            f"the pulse ended {until - since + run.settings.window_s:.1f} s after the scale-out: "
+            "hold it longer to judge the SLO at the new size"
+        )
+    return _settled_window(run, since, until)
+
+
+def pulse_p99_ms(run: ChaosRun) -> float:
+    """P99 latency of the pulse's requests at its scaled-out size (0 before the method)."""
+    window = _pulse_window(run)
+    if window is None:
+        return 0.0
+    return float(window["latency_with_unanswered_ms"]["p99"] or 0.0)
+
+
+def pulse_error_rate(run: ChaosRun) -> float:
+    """SLO error rate of the pulse's requests at its scaled-out size (0 before the method)."""
+    window = _pulse_window(run)
+    if window is None:
+        return 0.0
+    return window_error_rate(window, run.settings.error_classes)
+
+
+def registry_has_leader(run: ChaosRun) -> bool:
+    """Whether the registry's members know a leader now."""
+    try:
+        name = run.target.registry_leader()
+    except StackError as exc:
+        log.info("llmchaos: registry: %s", exc)
+        return False
+    log.info("llmchaos: registry leader: %s", name)
+    return True

@@ -123,6 +123,9 @@ class ChaosRun:
     """The load's rate now (actions may change it)."""
     notes: list[str] = field(default_factory=list)
     """Things the run decided or noticed, for the report (qps capped, guard tripped...)."""
+    findings: dict[str, Any] = field(default_factory=dict)
+    """What a probe of the method measured for the hypothesis after it (the degradation
+    trigger's delay, the autoscaler's times), by name."""
     aborted_by_guard: str | None = None
     interrupted_because: str | None = None
     """Why the control interrupted the run (steady state unmet before the method, start

@@ -75,7 +75,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "SLA breach",
     )
     gameday.add_argument(
-        "--suite", default="nightly", choices=sorted(SUITES), help="which tests (default nightly)"
+        "--suite",
+        default="nightly",
+        choices=sorted(SUITES),
+        help="which tests: nightly (the catalogue and its known-bad variants), smoke (the "
+        "catalogue on the default stack), soak (hours of stepped load; LLMCHAOS_SOAK_STEP_S "
+        "compresses it) (default nightly)",
     )
     gameday.add_argument(
         "--target",

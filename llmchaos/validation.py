@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 SEVERITIES = ("blocker", "critical", "normal", "minor", "trivial")
+_REGISTRY_FAULTS = ("kill_registry_member", "partition_registry_member", "restore_registry")
 """Allure's severity levels, which the suites report experiments under."""
 
 
@@ -236,6 +237,19 @@ def _check_activity(
             info.gpu_workers(str(given.get("worker", "")), str(given.get("node", "")))
         except InvalidInput as exc:
             problems.append(f"{place}.arguments: {exc}")
+    if func_name in _REGISTRY_FAULTS:
+        member = str(
+            given.get("member", "all" if func_name != "kill_registry_member" else "leader")
+        )
+        try:
+            info.registry_member_names("all" if member == "leader" else member)
+        except InvalidInput as exc:
+            problems.append(f"{place}.arguments: {exc}")
+        if func_name == "partition_registry_member" and not info.partitions_supported:
+            problems.append(
+                f"{place}: partition_registry_member needs the registry in network namespaces "
+                "(run as root with netns auto or on)"
+            )
     if func_name == "drain_node" and not info.drains_supported:
         problems.append(f"{place}: drain_node needs a target with nodes to drain (a cluster)")
     if func_name == "partition_node" and not info.partitions_supported:
@@ -268,7 +282,7 @@ SLO_OF_PROBE = {
 setting, so a tolerance with another limit would pass or fail a run the report calls the
 opposite (one SLO, one source). A probe narrowed by `since_fault` or `classes` measures
 something else, with a limit of its own."""
-_NARROWING = ("since_fault", "classes")
+_NARROWING = ("since_fault", "classes", "whole_run")
 
 
 def _tolerance_limit(tolerance: Any) -> Any:

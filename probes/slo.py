@@ -50,16 +50,20 @@ def goodput_qps(window_s: float = 0.0, since_fault: bool = False) -> float:
 
 
 def error_rate(
-    window_s: float = 0.0, since_fault: bool = False, classes: list[str] | None = None
+    window_s: float = 0.0,
+    since_fault: bool = False,
+    classes: list[str] | None = None,
+    whole_run: bool = False,
 ) -> float:
-    """Failed share over the window, counting `classes` (default: the run's SLO classes:
-    5xx, 429, timeout, connection, bad_body) and dropped sends."""
-    return measure.error_rate(current_run(), window_s, since_fault, classes)
+    """Failed share over the window (or the whole run so far), counting `classes` (default:
+    the run's SLO classes: 5xx, 429, timeout, connection, bad_body) and dropped sends."""
+    return measure.error_rate(current_run(), window_s, since_fault, classes, whole_run)
 
 
-def frame_drops(window_s: float = 0.0, since_fault: bool = True) -> int:
-    """Gaps of 3 s or more without a successful answer (since the last fault by default)."""
-    return measure.frame_drops(current_run(), window_s, since_fault)
+def frame_drops(window_s: float = 0.0, since_fault: bool = True, whole_run: bool = False) -> int:
+    """Gaps of 3 s or more without a successful answer: since the last fault by default, or
+    over the whole run so far (a soak's count)."""
+    return measure.frame_drops(current_run(), window_s, since_fault, whole_run)
 
 
 def achieved_qps(window_s: float = 0.0) -> float:

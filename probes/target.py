@@ -1,16 +1,29 @@
-"""Target-side probes: the engines' queues, who serves, which workers are ready."""
+"""Target-side probes: the engines' queues, who serves, which workers are ready, and when
+the gateways degrade."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from llmchaos import measure
 from llmchaos.run import current_run
 
 __all__ = [
+    "degradation_trigger_delay_s",
+    "degraded_unshed_failure_rate",
     "healthy_workers",
     "kv_cache_usage",
+    "pulse_error_rate",
+    "pulse_p99_ms",
     "queue_depth",
+    "registry_has_leader",
+    "scale_in_s",
+    "scale_out_s",
     "served_in_mode_since_fault",
     "serving_mode_share",
+    "watch_degradation",
+    "watch_scale_in",
+    "watch_scale_out",
 ]
 
 
@@ -41,3 +54,68 @@ def served_in_mode_since_fault(mode: str = "cpu", min_share: float = 0.01) -> bo
 def healthy_workers(mode: str = "") -> int:
     """Workers answering ready now, of `mode` (gpu, cpu; empty = any)."""
     return measure.healthy_workers(current_run(), mode)
+
+
+def watch_degradation(
+    queue_depth_threshold: float = 500, timeout_s: float = 30.0, degraded_for_s: float = 10.0
+) -> dict[str, Any]:
+    """In the method, right after the load goes up: watch the engines' queue pass
+    `queue_depth_threshold` and the gateways' service_degraded_total jump (every 0.1 s, up
+    to `timeout_s`), then `degraded_for_s` of the overload in degraded mode. Returns the
+    figures; the hypothesis judges them with `degradation_trigger_delay_s` and
+    `degraded_unshed_failure_rate`."""
+    return measure.watch_degradation(
+        current_run(), queue_depth_threshold, timeout_s, degraded_for_s
+    )
+
+
+def degradation_trigger_delay_s() -> float:
+    """Seconds between the engines' queue passing the threshold and the gateways' counter
+    jump (0 before the method); fails when either never happened."""
+    return measure.degradation_trigger_delay_s(current_run())
+
+
+def degraded_unshed_failure_rate() -> float:
+    """Share of the requests of the degraded overload that failed other than by a 429
+    (timeouts, 5xx, broken answers); 0 before the method, fails when it never degraded."""
+    return measure.degraded_unshed_failure_rate(current_run())
+
+
+def watch_scale_out(timeout_s: float = 60.0) -> dict[str, Any]:
+    """In the method, right after the pulse starts: the GPU pool's replicas every 0.5 s until
+    the autoscaler asked for more and they are ready (or `timeout_s`)."""
+    return measure.watch_scale_out(current_run(), timeout_s)
+
+
+def watch_scale_in(timeout_s: float = 120.0) -> dict[str, Any]:
+    """In the method, right after the pulse ends: the replicas until the pool is back at its
+    minimum (or `timeout_s`)."""
+    return measure.watch_scale_in(current_run(), timeout_s)
+
+
+def scale_out_s() -> float:
+    """Seconds from the pulse's start until the new replicas were ready (0 before the
+    method); fails when the pool never scaled out."""
+    return measure.scale_out_s(current_run())
+
+
+def scale_in_s() -> float:
+    """Seconds from the pulse's end until the pool was back at its minimum (0 before the
+    method); fails when it stayed larger."""
+    return measure.scale_in_s(current_run())
+
+
+def pulse_p99_ms() -> float:
+    """P99 latency of the pulse's requests once the pool had scaled out (0 before)."""
+    return measure.pulse_p99_ms(current_run())
+
+
+def pulse_error_rate() -> float:
+    """SLO error rate of the pulse's requests once the pool had scaled out (0 before)."""
+    return measure.pulse_error_rate(current_run())
+
+
+def registry_has_leader() -> bool:
+    """Whether the service registry's members know a leader now (False during an election or
+    without a quorum)."""
+    return measure.registry_has_leader(current_run())

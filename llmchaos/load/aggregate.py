@@ -17,7 +17,7 @@ from typing import Any
 from llmchaos.load.histogram import LogHistogram
 from llmchaos.load.timeline import FAILURE_CLASSES, SLOTS_PER_S, SecondStats, merge_report
 
-__all__ = ["FRAME_DROP_S", "Aggregate", "frame_drops", "quantiles"]
+__all__ = ["FRAME_DROP_S", "Aggregate", "frame_drop_events", "frame_drops", "quantiles"]
 
 FRAME_DROP_S = 3.0
 """A frame drop: this long or longer without a successful response (the field's definition)."""
@@ -36,18 +36,27 @@ def quantiles(h: LogHistogram) -> dict[str, float | None]:
     return out
 
 
-def frame_drops(ok_slots: Counter[int], from_s: float, to_s: float) -> tuple[int, float]:
-    """(count, total seconds) of gaps >= FRAME_DROP_S between successes within [from_s, to_s)."""
+def frame_drop_events(
+    ok_slots: Counter[int], from_s: float, to_s: float
+) -> list[tuple[float, float]]:
+    """(start offset, length) in seconds of every gap >= FRAME_DROP_S between successes (by
+    completion instant, 100 ms resolution) within [from_s, to_s); the window's edges count as
+    edges of a gap."""
     instants = sorted(
         slot / SLOTS_PER_S for slot in ok_slots if from_s <= slot / SLOTS_PER_S < to_s
     )
     edges = [from_s, *instants, to_s]
-    count, total_s = 0, 0.0
-    for a, b in itertools.pairwise(edges):
-        if b - a >= FRAME_DROP_S:
-            count += 1
-            total_s += b - a
-    return count, round(total_s, 1)
+    return [
+        (round(a, 1), round(b - a, 1))
+        for a, b in itertools.pairwise(edges)
+        if b - a >= FRAME_DROP_S
+    ]
+
+
+def frame_drops(ok_slots: Counter[int], from_s: float, to_s: float) -> tuple[int, float]:
+    """(count, total seconds) of the frame drops within [from_s, to_s)."""
+    events = frame_drop_events(ok_slots, from_s, to_s)
+    return len(events), round(sum(length for _, length in events), 1)
 
 
 class Aggregate:
@@ -134,7 +143,7 @@ class Aggregate:
         span_s = max(min(math.ceil(to_s), self.now_s()) - math.ceil(from_s), 1e-9)
         m = self._merged(from_s, to_s)
         done = m.done
-        drops, drop_s = frame_drops(self.ok_slots, from_s, min(to_s, self.now_s()))
+        events = frame_drop_events(self.ok_slots, from_s, min(to_s, self.now_s()))
         answered_modes = sum(m.modes.values())
         last_ok = max(self.ok_slots) / SLOTS_PER_S if self.ok_slots else None
         return {
@@ -161,8 +170,9 @@ class Aggregate:
             "itl_ms": quantiles(m.hist["itl_ms"]),
             "tpot_ms": quantiles(m.hist["tpot_ms"]),
             "schedule_lag_ms": quantiles(m.hist["lag_ms"]),
-            "frame_drops": drops,
-            "frame_drop_s": drop_s,
+            "frame_drops": len(events),
+            "frame_drop_s": round(sum(length for _, length in events), 1),
+            "frame_drop_events": [list(event) for event in events],
             "seconds_since_last_ok": None if last_ok is None else round(self.now_s() - last_ok, 1),
             "serving_mode_share": {
                 mode: round(n / answered_modes, 4) for mode, n in m.modes.items()
@@ -206,7 +216,7 @@ class Aggregate:
         in_flight = self.in_flight
         done = m.done
         ran_s = self.ran_s()
-        drops, drop_s = frame_drops(self.ok_slots, 0.0, ran_s)
+        events = frame_drop_events(self.ok_slots, 0.0, ran_s)
         lag_p99 = m.hist["lag_ms"].quantile(0.99)
         return {
             "scheduled": m.scheduled,
@@ -228,8 +238,9 @@ class Aggregate:
             "ttft_ms": quantiles(m.hist["ttft_ms"]),
             "itl_ms": quantiles(m.hist["itl_ms"]),
             "tpot_ms": quantiles(m.hist["tpot_ms"]),
-            "frame_drops": drops,
-            "frame_drop_s": drop_s,
+            "frame_drops": len(events),
+            "frame_drop_s": round(sum(length for _, length in events), 1),
+            "frame_drop_events": [list(event) for event in events],
             "serving_modes": dict(m.modes),
         }
 

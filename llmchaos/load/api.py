@@ -59,6 +59,11 @@ def check_config(config: LoadConfig) -> None:
     build_profile(config)
     split_url(config.url)
     tenants = load_tenants(config.tokens_file) if config.tokens_file else []
+    if config.api_key_env is not None and not os.environ.get(config.api_key_env):
+        raise InvalidInput(
+            f"--api-key-env: the environment variable {config.api_key_env!r} is not set or "
+            "empty; export it with the API key before starting the load"
+        )
     check_bad_tokens(config.traffic.bad_tokens, config.traffic.bad_token_share, tenants)
     if config.owner_pid is not None and start_ticks(config.owner_pid) is None:
         raise InvalidInput(f"owner_pid: no process {config.owner_pid} is running")

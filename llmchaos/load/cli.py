@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from llmchaos.errors import InvalidInput
 from llmchaos.load.api import LoadRun
 from llmchaos.load.capacity import run_capacity, write_chart
+from llmchaos.load.compare import parse_endpoint, render_table, run_comparison, write_outputs
 from llmchaos.load.config import LoadConfig
 from llmchaos.load.goodput import parse_goodput
 from llmchaos.load.traffic import TrafficSpec
@@ -24,6 +26,12 @@ __all__ = ["register"]
 _COMMON: list[tuple[str, str, Any, str]] = [
     ("--workers", "workers", int, "Locust processes (1: local runner; N: master + N workers)"),
     ("--tokens", "tokens_file", str, 'tokens file {"tokens": [{"token", "tenant", "revoked"}]}'),
+    (
+        "--api-key-env",
+        "api_key_env",
+        str,
+        "environment variable holding the one API key to send (when there is no tokens file)",
+    ),
     ("--timeout-s", "timeout_s", float, "whole-request timeout, seconds"),
     (
         "--inflight-cap",
@@ -81,6 +89,15 @@ _CAPACITY: list[tuple[str, str, Any, str]] = [
     ("--step-qps", "step_increment_qps", float, "QPS added per step"),
     ("--max-qps", "step_max_qps", float, "last step, QPS"),
 ]
+# compare: the profile and the common flags, but each endpoint has its own key, folder and
+# live port
+_PER_ENDPOINT = ("tokens_file", "api_key_env", "run_dir", "live_port", "web_ui_port")
+_COMPARE: list[tuple[str, str, Any, str]] = [
+    ("--profile", "profile", str, "stepped | PATH.json (the steps of the comparison)"),
+    ("--duration", "duration_s", float, "cut the profile short, seconds"),
+    *_CAPACITY,
+    *(s for s in _COMMON if s[1] not in _PER_ENDPOINT),
+]
 _DEFAULTS = {f.name: f.default for f in (*fields(LoadConfig), *fields(TrafficSpec))}
 
 
@@ -94,12 +111,14 @@ def _add(
         )
 
 
-def _config(args: argparse.Namespace, specs: list[tuple[str, str, Any, str]]) -> LoadConfig:
+def _config(
+    args: argparse.Namespace, specs: list[tuple[str, str, Any, str]], url: str
+) -> LoadConfig:
     values = {name: getattr(args, name) for _, name, _, _ in specs}
     slo = parse_goodput(args.goodput)
     # Owned by this command: a SIGKILLed `llmchaos load` (no cleanup) stops its load too.
     return LoadConfig(
-        url=args.url,
+        url=url,
         owner_pid=os.getpid(),
         traffic=_traffic(args),
         goodput_ttft_ms=slo.ttft_ms,
@@ -140,7 +159,7 @@ def _add_shaping(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> int:
-    run = LoadRun.start(_config(args, _COMMON + _LOAD))
+    run = LoadRun.start(_config(args, _COMMON + _LOAD, args.url))
     print(
         f"llmchaos load: live endpoint {run.live_url} (run folder {run.run_dir})", file=sys.stderr
     )
@@ -154,7 +173,7 @@ def _load(args: argparse.Namespace) -> int:
 
 
 def _capacity(args: argparse.Namespace) -> int:
-    config = _config(args, _COMMON + _CAPACITY)
+    config = _config(args, _COMMON + _CAPACITY, args.url)
     result = run_capacity(config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,6 +181,18 @@ def _capacity(args: argparse.Namespace) -> int:
     chart = write_chart(result, out / "capacity.svg")
     print(json.dumps(result.to_dict(), indent=2))
     print(f"llmchaos capacity: chart {chart}", file=sys.stderr)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    endpoints = [parse_endpoint(text) for text in args.endpoint]
+    # each endpoint's URL and key replace these (llmchaos.load.compare)
+    config = _config(args, _COMPARE, endpoints[0].url)
+    out = Path(args.out or f"reports/compare/{time.strftime('%Y%m%d-%H%M%S')}")
+    result = run_comparison(endpoints, config, parallel=args.mode == "parallel", out=out)
+    print(render_table(result))
+    for path in write_outputs(result, out):
+        print(f"llmchaos compare: wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -183,3 +214,29 @@ def register(subparsers: Any) -> None:
     _add(capacity, _CAPACITY + _COMMON + _TRAFFIC, step_s=30.0)
     _add_shaping(capacity)
     capacity.set_defaults(func=_capacity)
+
+    compare = subparsers.add_parser(
+        "compare",
+        help="the same stepped load against two or more endpoints; P99, errors by class, "
+        "frame drops and tokens/s side by side",
+    )
+    compare.add_argument(
+        "--endpoint",
+        action="append",
+        required=True,
+        metavar="NAME=URL[,key-env=VAR][,tokens=FILE][,model=M]",
+        help="an OpenAI-compatible endpoint and its own key (repeat: at least two); the key "
+        "is read from the environment variable VAR, never from the command line",
+    )
+    compare.add_argument(
+        "--mode",
+        choices=("sequential", "parallel"),
+        default="sequential",
+        help="one endpoint after the other (default), or all at once",
+    )
+    compare.add_argument(
+        "--out", default=None, help="folder for the results (default reports/compare/<time>)"
+    )
+    _add(compare, _COMPARE + _TRAFFIC, step_s=30.0, profile="stepped")
+    _add_shaping(compare)
+    compare.set_defaults(func=_compare)

@@ -59,6 +59,10 @@ class LoadConfig:
     tokens_file: str | None = None
     """Tokens file [--tokens]: {"tokens": [{"token", "tenant", "revoked"}]}. None: no
     Authorization header."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding the one bearer token to send (a provider's API
+    key) [--api-key-env]; used when there is no tokens file. The key itself is never written
+    to a file or a command line: the load's processes inherit the variable."""
     traffic: TrafficSpec = field(default_factory=TrafficSpec)
     """The request mix: models, prompt and output lengths, streaming, bad tokens (one
     definition, llmchaos.load.traffic.TrafficSpec, shared with the chaos run's settings)."""

@@ -53,6 +53,8 @@ class Summary:
     """(e2e - TTFT) / (output tokens - 1) of the streams."""
     schedule_lag_ms: dict[str, float | None] = dataclasses.field(default_factory=dict)
     """Actual send minus scheduled send time (part of every latency above)."""
+    frame_drop_events: list[list[float]] = dataclasses.field(default_factory=list)
+    """[start offset s, length s] of each frame drop, in time order (`frame_drops` of them)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Summary:

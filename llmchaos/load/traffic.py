@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ __all__ = [
     "check_bad_tokens",
     "load_tenants",
     "parse_length",
+    "tenants_of",
 ]
 
 BAD_TOKEN_KINDS = ("mixed", "revoked", "unknown")
@@ -205,6 +207,16 @@ def load_tenants(path: str | Path) -> list[Tenant]:
     if not any(not t.revoked for t in tenants):
         raise InvalidInput(f"--tokens: {path} has no token that is not revoked")
     return tenants
+
+
+def tenants_of(tokens_file: str | None, api_key_env: str | None) -> list[Tenant] | None:
+    """The tokens a load sends: its tokens file, else the one key in `api_key_env` (tenant
+    "api-key"), else None (no Authorization header)."""
+    if tokens_file:
+        return load_tenants(tokens_file)
+    if api_key_env:
+        return [Tenant(os.environ[api_key_env], "api-key", False)]
+    return None
 
 
 def check_bad_tokens(kind: str, share: float, tenants: Sequence[Tenant] | None) -> None:

@@ -29,7 +29,7 @@ from llmchaos.load.profiles import build_profile
 from llmchaos.load.responses import Answer
 from llmchaos.load.schedule import ArrivalSchedule
 from llmchaos.load.timeline import Recorder
-from llmchaos.load.traffic import TrafficModel, load_tenants
+from llmchaos.load.traffic import TrafficModel, tenants_of
 from llmchaos.load.wire import START_MESSAGE_WAIT_S, config_from_options, request_head, split_url
 
 __all__ = ["WORKER", "OpenLoopLLMUser"]
@@ -97,7 +97,7 @@ class OpenLoopLLMUser(User):
         WORKER.schedule = ArrivalSchedule(
             profile, share=1.0 / workers, index=index, seed=config.seed
         )
-        tenants = load_tenants(config.tokens_file) if config.tokens_file else None
+        tenants = tenants_of(config.tokens_file, config.api_key_env)
         traffic = TrafficModel(config.traffic, tenants, config.seed * 7919 + index)
         stats_events = self.environment.events if config.locust_stats else None
         sender = _Sender(config, traffic, stats_events)

@@ -8,6 +8,11 @@ of every worker, so actions can kill "the GPU process" and probes can count rest
     python -m llmchaos.stack.agent --settings agent.json
 
 Workers get PR_SET_PDEATHSIG=SIGKILL: when the agent itself is killed, its workers go too.
+
+With a replicas file (the embedded autoscaler's, like a Deployment's `spec.replicas`), a
+worker with an `ordinal` runs only while its ordinal is below its pool's replica count: the
+agent starts it when it is scaled out (a full model load, like a new pod) and stops it when
+scaled in (a stop, not a death: it is not restarted and counts no restart).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from types import FrameType
 
 from llmchaos.stack.procs import http_get_status, set_parent_death_signal, stop_pids
 from llmchaos.stack.settings import load_settings
-from llmchaos.stack.topology import WorkerState
+from llmchaos.stack.topology import WorkerState, read_replicas
 
 __all__ = ["AgentSettings", "AgentWorker", "main"]
 
@@ -47,6 +52,10 @@ class AgentWorker:
     health_url: str = ""
     """The worker's /healthz: the agent notes when a started worker is first ready (its
     readiness time, as a kubelet's readiness probe would), "" to skip."""
+    pool: str = ""
+    """The pool whose replica count this worker follows (gpu); "" = always runs."""
+    ordinal: int = 0
+    """The worker's index in its pool: it runs while ordinal < the pool's replicas."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,8 @@ class AgentSettings:
     """Wait before restarting a worker that died (a kubelet's back-off, kept short)."""
     workers: tuple[AgentWorker, ...] = ()
     """Workers of this node."""
+    replicas_path: str = ""
+    """The stack's replicas file ({"gpu": N}); "" = every worker always runs."""
 
 
 class _Agent:
@@ -70,11 +81,17 @@ class _Agent:
         self.states: dict[str, WorkerState] = {}
         self.restart_at: dict[str, float] = {}
         self.stopping = False
+        self.booted = False
+        """After the first round of starts: later starts load the model in full."""
+        self._replicas: dict[str, int] = {}
+        self._replicas_mtime = -1.0
 
-    def start(self, worker: AgentWorker) -> None:
+    def start(self, worker: AgentWorker, *, after_death: bool = False) -> None:
+        """Start `worker`: at boot with its first model load, later (a restart after a death,
+        or a scale-out) with the full one; only a restart after a death counts."""
         argv = [sys.executable, "-m", "llmchaos.stack.worker", "--settings", worker.settings_path]
         previous = self.states.get(worker.name)
-        if previous is not None:
+        if previous is not None or self.booted:
             argv.append("--restart")
         with Path(worker.log_path).open("ab") as out:
             proc = subprocess.Popen(
@@ -85,7 +102,7 @@ class _Agent:
                 preexec_fn=set_parent_death_signal,
             )
         self.procs[worker.name] = proc
-        restarts = previous.restarts + 1 if previous else 0
+        restarts = (previous.restarts if previous else 0) + (1 if after_death else 0)
         self.states[worker.name] = WorkerState(
             pid=proc.pid,
             started_at=time.time(),
@@ -107,13 +124,48 @@ class _Agent:
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)
 
+    def wanted(self, worker: AgentWorker) -> bool:
+        """Whether `worker` should run now: always, or while its ordinal is below its pool's
+        replica count (the file is read again when it changes)."""
+        if not worker.pool or not self.settings.replicas_path:
+            return True
+        path = Path(self.settings.replicas_path)
+        try:
+            mtime = path.stat().st_mtime
+            if mtime != self._replicas_mtime:
+                self._replicas, self._replicas_mtime = read_replicas(path), mtime
+        except (OSError, ValueError):
+            pass  # unreadable for a moment: keep the last count
+        return worker.ordinal < self._replicas.get(worker.pool, 0)
+
+    def scale_in(self, worker: AgentWorker) -> None:
+        """Stop a running worker its pool no longer wants (not a death: no restart)."""
+        proc = self.procs.pop(worker.name)
+        stop_pids([proc.pid], grace_s=2.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
+        self.restart_at.pop(worker.name, None)
+        self.states[worker.name] = replace(self.states[worker.name], running=False)
+        log.info("scaled in %s (pid %d)", worker.name, proc.pid)
+
     def step(self) -> bool:
-        """Reap dead workers, restart due ones, note when started ones are ready; True when
-        the state changed."""
+        """Reap dead workers, restart due ones, start and stop workers as their pool's
+        replica count says, note when started ones are ready; True when the state changed."""
         changed = False
         now = time.monotonic()
         for worker in self.settings.workers:
             state = self.states.get(worker.name)
+            wanted = self.wanted(worker)
+            if not wanted:
+                if worker.name in self.procs:
+                    self.scale_in(worker)
+                    changed = True
+                self.restart_at.pop(worker.name, None)
+                continue
+            if worker.name not in self.procs and worker.name not in self.restart_at:
+                self.start(worker)  # scaled out (or never started)
+                changed = True
+                continue
             if (
                 worker.health_url
                 and worker.name in self.procs
@@ -137,13 +189,15 @@ class _Agent:
                 changed = True
             if worker.name in self.restart_at and now >= self.restart_at[worker.name]:
                 del self.restart_at[worker.name]
-                self.start(worker)
+                self.start(worker, after_death=True)
                 changed = True
         return changed
 
     def run(self) -> int:
         for worker in self.settings.workers:
-            self.start(worker)
+            if self.wanted(worker):
+                self.start(worker)
+        self.booted = True
         self.write_state()
         while not self.stopping:
             if self.step():

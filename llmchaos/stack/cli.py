@@ -43,6 +43,34 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=_DEFAULTS.gpu_load_s,
         help="model-load seconds of a GPU worker at each (re)start",
     )
+    up.add_argument(
+        "--gpu-max-num-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="running-batch size of the GPU workers (default: 256, vLLM's)",
+    )
+    up.add_argument(
+        "--degradation-queue-threshold",
+        type=int,
+        default=_DEFAULTS.degradation_queue_threshold,
+        metavar="N",
+        help="gateways degrade when the engines' queue passes this (default "
+        f"{_DEFAULTS.degradation_queue_threshold})",
+    )
+    up.add_argument(
+        "--queue-shed-threshold",
+        type=int,
+        default=_DEFAULTS.queue_shed_threshold,
+        metavar="N",
+        help=f"gateways shed with 429 above this queue (default {_DEFAULTS.queue_shed_threshold})",
+    )
+    up.add_argument(
+        "--discovery",
+        default=_DEFAULTS.discovery,
+        choices=["static", "etcd"],
+        help="gateways' workers from their settings, or from a 3-member etcd registry",
+    )
     _add_state_root(up)
     up.set_defaults(func=_up)
 
@@ -78,6 +106,10 @@ def _up(args: argparse.Namespace) -> int:
         cpu_workers=args.cpu_workers,
         port=args.port,
         gpu_load_s=args.gpu_load_s,
+        gpu_max_num_seqs=args.gpu_max_num_seqs,
+        degradation_queue_threshold=args.degradation_queue_threshold,
+        queue_shed_threshold=args.queue_shed_threshold,
+        discovery=args.discovery,
         state_root=args.state_root,
     )
     topology = start_stack(config, progress=True)

@@ -14,9 +14,18 @@ from typing import Literal
 from llmchaos.errors import InvalidInput
 from llmchaos.stack.settings import CacheSettings, GatewaySettings
 
-__all__ = ["DEFAULT_VARIANT", "VARIANTS", "NetnsMode", "StackConfig", "Variant", "get_variant"]
+__all__ = [
+    "DEFAULT_VARIANT",
+    "VARIANTS",
+    "DiscoveryMode",
+    "NetnsMode",
+    "StackConfig",
+    "Variant",
+    "get_variant",
+]
 
 NetnsMode = Literal["auto", "on", "off"]
+DiscoveryMode = Literal["static", "etcd"]
 
 
 @dataclass(frozen=True)
@@ -35,11 +44,26 @@ class Variant:
     """Whether HAProxy has a backup gateway to fail over to."""
     failover: bool = True
     """Whether gateways route around dead, loading or partitioned workers and retry elsewhere."""
+    degradation_queue_rule: bool = True
+    """Whether gateways degrade at once when the engines' queue passes its threshold (off:
+    only after the P99 has stayed high for minutes)."""
+    autoscaler: bool = True
+    """Whether the autoscaler runs when the stack is asked to autoscale (`autoscale`)."""
+    endpoint_cache: bool = True
+    """Whether gateways that find their workers in the registry keep serving the last ones
+    found when it cannot be read."""
 
     def gateway_settings(self, base: GatewaySettings) -> GatewaySettings:
         """`base` with this variant's gateway behaviour applied."""
         return dataclasses.replace(
-            base, cache=self.cache, cpu_fallback=self.cpu_fallback, failover=self.failover
+            base,
+            cache=self.cache,
+            cpu_fallback=self.cpu_fallback,
+            failover=self.failover,
+            degradation=dataclasses.replace(
+                base.degradation, queue_rule=self.degradation_queue_rule
+            ),
+            discovery=dataclasses.replace(base.discovery, keep_last_known=self.endpoint_cache),
         )
 
 
@@ -65,6 +89,23 @@ VARIANTS: dict[str, Variant] = {
             "no-backup-gateway",
             "HAProxy has only the primary gateway: a gateway crash is an outage",
             backup_gateway=False,
+        ),
+        Variant(
+            "late-degradation",
+            "gateways lack the queue-depth trigger: they degrade only after the engines' P99 "
+            "has stayed over 800 ms for 2 minutes, late or never",
+            degradation_queue_rule=False,
+        ),
+        Variant(
+            "no-autoscaler",
+            "the GPU pool stays at its minimum replicas whatever the load (the HPA is off)",
+            autoscaler=False,
+        ),
+        Variant(
+            "no-endpoint-cache",
+            "gateways that find their workers in the registry drop them whenever it cannot be "
+            "read (503 until it answers again)",
+            endpoint_cache=False,
         ),
         Variant(
             "no-failover",
@@ -125,8 +166,32 @@ class StackConfig:
     """Added to every token-table lookup: the round trip to a networked database."""
     token_db_pool_size: int = 4
     """Token-table connections per gateway: what a cache stampede queues on."""
-    queue_shed_threshold: int = 500
-    """Gateways shed with 429 above this many queued requests."""
+    queue_shed_threshold: int = 1000
+    """Gateways shed with 429 above this many queued requests (they degrade first, at
+    `degradation_queue_threshold`)."""
+    degradation_queue_threshold: int = 500
+    """Gateways degrade (shorter answers, `X-Degraded`) when the engines' queue passes this."""
+    degradation_latency_for_s: float = 120.0
+    """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
+    seed's 2 minutes; shorter for short runs)."""
+    discovery: DiscoveryMode = "static"
+    """Where gateways find their workers: their settings (static), or a 3-member etcd
+    registry (etcd) that a registrar keeps filled with the ready workers."""
+    gpu_max_num_seqs: int | None = None
+    """Running-batch size of the GPU workers (None: the GPU profile's 256); a small batch
+    (a large model per GPU) saturates at a rate this machine can send."""
+    autoscale: bool = False
+    """Scale the GPU pool with the embedded autoscaler (HPA semantics): `gpu_workers` is then
+    the most replicas (one node each), `autoscale_min_replicas` run at first."""
+    autoscale_min_replicas: int = 1
+    autoscale_target_utilization: float = 0.7
+    """Average (running + waiting) / max_num_seqs of a replica the autoscaler aims at."""
+    autoscale_sync_s: float = 15.0
+    """How often the autoscaler decides (the HPA's 15 s)."""
+    autoscale_scale_down_window_s: float = 300.0
+    """Scale-down stabilisation window (the HPA's 300 s)."""
+    autoscale_policy_period_s: float = 15.0
+    """Period of the scale-up (4 pods or 100%) and scale-down (100%) rate limits."""
     state_root: Path = Path("reports/stacks")
     """Folder holding one state folder per stack (topology, settings, logs, data)."""
     ready_timeout_s: float = 60.0
@@ -136,6 +201,8 @@ class StackConfig:
         get_variant(self.variant)
         if self.netns not in ("auto", "on", "off"):
             raise InvalidInput(f"netns: expected auto, on or off, got {self.netns!r}")
+        if self.discovery not in ("static", "etcd"):
+            raise InvalidInput(f"discovery: expected static or etcd, got {self.discovery!r}")
         for name, low in (
             ("gpu_workers", 0),
             ("cpu_workers", 0),
@@ -156,3 +223,10 @@ class StackConfig:
                 raise InvalidInput(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.first_load_s is not None and self.first_load_s < 0:
             raise InvalidInput(f"first_load_s: expected >= 0, got {self.first_load_s}")
+        if self.gpu_max_num_seqs is not None and not 1 <= self.gpu_max_num_seqs <= 4096:
+            raise InvalidInput(f"gpu_max_num_seqs: expected 1..4096, got {self.gpu_max_num_seqs}")
+        if self.autoscale and not 1 <= self.autoscale_min_replicas <= self.gpu_workers:
+            raise InvalidInput(
+                f"autoscale_min_replicas: expected 1..gpu_workers ({self.gpu_workers}, the "
+                f"most replicas), got {self.autoscale_min_replicas}"
+            )

@@ -25,8 +25,10 @@ from llmchaos.errors import InvalidInput, StackError
 __all__ = [
     "NETNS_PREFIX",
     "NodeNetwork",
+    "RegistryNetwork",
     "check_netns_support",
     "create_node_network",
+    "create_registry_network",
     "delete_link",
     "delete_namespace",
     "delete_node_network",
@@ -136,6 +138,112 @@ def create_node_network(
         delete_node_network(net)
         raise
     return net
+
+
+REGISTRY_LINK_INDEX = 50
+"""Link numbers of the registry's network (the host's link, then one per member), above
+any node's (at most 21 nodes)."""
+_REGISTRY_OFFSET = 192
+"""The registry's segment: 10.203.K.192/26 of the stack's /24 (nodes use the /30s below)."""
+
+
+@dataclass(frozen=True)
+class RegistryNetwork:
+    """One L2 segment for the registry's members, each in a namespace of its own: a bridge in
+    a namespace of its own (no bridge and no forwarding on the host), the host on it by one
+    veth, each member by another. A member is partitioned like a node (DROP in its own
+    namespace), which cuts it off from its peers and its clients alike."""
+
+    bridge_netns: str
+    host_address: str
+    """The host's address on the segment (the gateways' and the registrar's source)."""
+    members: tuple[tuple[str, str], ...]
+    """(namespace, address) of each member, in order."""
+
+
+def create_registry_network(
+    short_id: str, members: int, subnet: ipaddress.IPv4Network
+) -> RegistryNetwork:
+    """Create the registry's namespaces, bridge and links. Raises StackError (after removing
+    what it created) when a step fails."""
+    if not re.fullmatch(r"[0-9a-f]{4}", short_id):
+        raise InvalidInput(f"short stack id must be 4 hex digits, got {short_id!r}")
+    base = int(subnet.network_address) + _REGISTRY_OFFSET
+    host_ip = ipaddress.ip_address(base + 1)
+    bridge_ns = f"{NETNS_PREFIX}{short_id}-regnet"
+    net = RegistryNetwork(
+        bridge_netns=bridge_ns,
+        host_address=str(host_ip),
+        members=tuple(
+            (f"{NETNS_PREFIX}{short_id}-reg-{i}", str(ipaddress.ip_address(base + 2 + i)))
+            for i in range(members)
+        ),
+    )
+    host_link = f"lc{short_id}-{REGISTRY_LINK_INDEX}h"
+    steps = [
+        ["ip", "netns", "add", bridge_ns],
+        ["ip", "-n", bridge_ns, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", bridge_ns, "link", "set", "br0", "up"],
+        # the host's link: its far end on the bridge
+        [
+            "ip",
+            "link",
+            "add",
+            host_link,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            f"lc{short_id}-{REGISTRY_LINK_INDEX}n",
+        ],
+        ["ip", "link", "set", f"lc{short_id}-{REGISTRY_LINK_INDEX}n", "netns", bridge_ns],
+        [
+            "ip",
+            "-n",
+            bridge_ns,
+            "link",
+            "set",
+            f"lc{short_id}-{REGISTRY_LINK_INDEX}n",
+            "master",
+            "br0",
+            "up",
+        ],
+        ["ip", "addr", "add", f"{host_ip}/26", "dev", host_link],
+        ["ip", "link", "set", host_link, "up"],
+    ]
+    for i, (namespace, address) in enumerate(net.members):
+        near, far = (
+            f"lc{short_id}-{REGISTRY_LINK_INDEX + 1 + i}n",
+            f"lc{short_id}-{REGISTRY_LINK_INDEX + 1 + i}h",
+        )
+        steps += [
+            ["ip", "netns", "add", namespace],
+            ["ip", "link", "add", near, "type", "veth", "peer", "name", far],
+            ["ip", "link", "set", near, "netns", namespace],
+            ["ip", "link", "set", far, "netns", bridge_ns],
+            ["ip", "-n", bridge_ns, "link", "set", far, "master", "br0", "up"],
+            ["ip", "-n", namespace, "addr", "add", f"{address}/26", "dev", near],
+            ["ip", "-n", namespace, "link", "set", near, "up"],
+            ["ip", "-n", namespace, "link", "set", "lo", "up"],
+        ]
+    try:
+        for argv in steps:
+            _run(argv)
+    except StackError:
+        delete_registry_network(net, short_id)
+        raise
+    return net
+
+
+def delete_registry_network(net: RegistryNetwork, short_id: str) -> None:
+    """Remove the registry's namespaces (their links go with them) and the host's link, and
+    any member link left on the host by an interrupted creation."""
+    for namespace, _ in net.members:
+        delete_namespace(namespace)
+    delete_namespace(net.bridge_netns)
+    for index in range(REGISTRY_LINK_INDEX, REGISTRY_LINK_INDEX + 1 + len(net.members)):
+        for end in "hn":
+            delete_link(f"lc{short_id}-{index}{end}")
 
 
 def delete_node_network(net: NodeNetwork) -> None:

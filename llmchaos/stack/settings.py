@@ -7,13 +7,18 @@ process's settings as JSON into the stack's state folder, and the process reads 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import logging
+import signal
+import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from llmchaos.errors import InvalidInput
 
@@ -22,11 +27,14 @@ __all__ = [
     "GPU_PROFILE",
     "REDIS_PASSWORD_ENV",
     "CacheSettings",
+    "DegradationSettings",
+    "DiscoverySettings",
     "EngineProfile",
     "GatewaySettings",
     "UpstreamWorker",
     "WorkerSettings",
     "load_settings",
+    "run_loop_process",
     "settings_from_dict",
     "settings_to_dict",
     "write_settings",
@@ -134,6 +142,56 @@ class CacheSettings:
 
 
 @dataclass(frozen=True)
+class DegradationSettings:
+    """When a gateway degrades and what it does then (gateway/degradation.py; the rules are
+    the seed's: queue_depth_threshold 500 at once, latency_p99_ms 800 for 2 minutes)."""
+
+    queue_rule: bool = True
+    """Degrade at once when the engines' queue passes `queue_depth_threshold`. Off (variant
+    `late-degradation`): only the latency rule, which fires minutes late or never."""
+    queue_depth_threshold: int = 500
+    """Sum of the engines' vllm:num_requests_waiting above which the gateway degrades."""
+    latency_p99_ms: float = 800.0
+    """P99 of the engines' vllm:e2e_request_latency_seconds (requests finished within
+    `latency_window_s`) above which, for `latency_for_s`, the gateway degrades."""
+    latency_for_s: float = 120.0
+    """How long the P99 must stay over `latency_p99_ms` (the seed: 2 minutes); scale it down
+    for short runs."""
+    latency_window_s: float = 10.0
+    """The P99's window: requests finished within this many seconds."""
+    poll_interval_s: float = 0.5
+    """How often the gateway reads the engines' /metrics: the queue rule fires at most this
+    late (plus one scrape)."""
+    recover_queue_ratio: float = 0.5
+    """Degraded mode ends once the queue is at most this share of the threshold..."""
+    hold_s: float = 10.0
+    """...and the P99 under its limit, for this long (so it does not flap)."""
+    degraded_max_tokens: int = 32
+    """What degraded answers are cut to: max_tokens (and max_completion_tokens) above it
+    become it, so each request holds an engine slot for fewer decode steps and the queue
+    drains; answers say `X-Degraded: true`."""
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    """Where a gateway finds its workers (gateway/discovery.py): its settings' `workers`, or,
+    with `endpoints`, the registry."""
+
+    endpoints: tuple[str, ...] = ()
+    """The registry members' client URLs (etcd); () = the static `workers`."""
+    prefix: str = "/llmchaos/workers/"
+    """Key prefix under which the registrar keeps the stack's ready workers."""
+    interval_s: float = 0.25
+    """How often the gateway reads the registry: a new worker is routed to within this (and
+    one health check), and an election (about 1 s) is seen by several reads."""
+    timeout_s: float = 0.5
+    """One read of one member; a partitioned member times out in this."""
+    keep_last_known: bool = True
+    """When no member answers: go on with the workers last found (hardened), or drop them
+    (variant `no-endpoint-cache`)."""
+
+
+@dataclass(frozen=True)
 class UpstreamWorker:
     """A worker as the gateway sees it."""
 
@@ -179,9 +237,15 @@ class GatewaySettings:
     or ejected after a failed request, and retry on another one. Off -> round-robin over every
     gpu worker whatever its health, no retry: a Kubernetes Service without readiness probes
     (health is still checked, for metrics and logs only). Default on."""
-    queue_shed_threshold: int = 500
+    queue_shed_threshold: int = 1000
     """Shed with 429 + Retry-After when the estimated queue (requests beyond the workers'
-    running batches) is over this."""
+    running batches) is over this: the last line, twice the degradation threshold, so the
+    gateway first degrades (shorter answers) and sheds only what that does not absorb."""
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    """Static workers, or the registry's (with `discovery.endpoints`)."""
+    degradation: DegradationSettings = field(default_factory=DegradationSettings)
+    """When to degrade and how (None of it when `degradation.queue_rule` is off and the
+    latency rule never holds long enough)."""
     health_interval_s: float = 1.0
     """Active health check period per worker (GET /healthz)."""
     health_timeout_s: float = 0.5
@@ -260,6 +324,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise InvalidInput(f"{where}: expected one of {typing.get_args(hint)}, got {value!r}")
         return value
     if origin in (typing.Union, types.UnionType):
+        # an optional dataclass (`RegistryInfo | None`) is read back as one
+        for arg in typing.get_args(hint):
+            if dataclasses.is_dataclass(arg) and isinstance(value, dict):
+                return settings_from_dict(arg, value, where)  # type: ignore[arg-type]
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -283,3 +351,41 @@ def load_settings(cls: type[_T], path: Path) -> _T:
     except (OSError, ValueError) as exc:
         raise InvalidInput(f"{path}: cannot read settings: {exc}") from exc
     return settings_from_dict(cls, data, str(path))
+
+
+class _Loop(Protocol):
+    stopping: bool
+
+    def run(self) -> int: ...
+
+
+_L = TypeVar("_L", bound=_Loop)
+
+
+def run_loop_process(
+    name: str,
+    cls: type[_T],
+    build: Callable[[_T], _L],
+    started: Callable[[_L], str],
+    argv: list[str] | None = None,
+) -> int:
+    """The main of a stack process that runs one loop from its settings file until SIGTERM or
+    SIGINT (`python -m llmchaos.stack.<name> --settings FILE`): exit 2 with one line when the
+    settings cannot be used, else the loop's own exit code. `started` says what it runs."""
+    parser = argparse.ArgumentParser(prog=f"python -m llmchaos.stack.{name}")
+    parser.add_argument("--settings", type=Path, required=True, help=f"{cls.__name__} JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    try:
+        loop = build(load_settings(cls, args.settings))
+    except (InvalidInput, OSError, ValueError) as exc:
+        print(f"llmchaos {name}: {exc}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum: int, _frame: types.FrameType | None) -> None:
+        loop.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    logging.getLogger(f"llmchaos.{name}").info("%s", started(loop))
+    return loop.run()

@@ -15,18 +15,21 @@ in memory (a signal can come between creating a thing and noting it), so the tea
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from llmchaos.errors import InvalidInput
+from llmchaos.errors import InvalidInput, StackError
 from llmchaos.processes import Owner, pid_alive
 from llmchaos.signals import deferred, held
-from llmchaos.stack import netns
+from llmchaos.stack import etcd, netns
 from llmchaos.stack.agent import AgentSettings, AgentWorker
+from llmchaos.stack.autoscaler import AutoscalerSettings, ScaledWorker
 from llmchaos.stack.cleanup import leftovers, remove_leftovers
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import (
@@ -38,6 +41,8 @@ from llmchaos.stack.procs import (
     stop_stack_processes,
     wait_until,
 )
+from llmchaos.stack.registrar import RegistrarSettings
+from llmchaos.stack.registry import MEMBERS, find_etcd, plan_members, start_member, wait_ready
 from llmchaos.stack.services import (
     HaproxyServer,
     haproxy_config,
@@ -49,6 +54,8 @@ from llmchaos.stack.settings import (
     CPU_PROFILE,
     GPU_PROFILE,
     REDIS_PASSWORD_ENV,
+    DegradationSettings,
+    DiscoverySettings,
     GatewaySettings,
     UpstreamWorker,
     WorkerSettings,
@@ -60,6 +67,7 @@ from llmchaos.stack.topology import (
     CURRENT_FILE,
     GatewayInfo,
     NodeInfo,
+    RegistryInfo,
     StackSecrets,
     Topology,
     WorkerInfo,
@@ -67,6 +75,7 @@ from llmchaos.stack.topology import (
     read_owner,
     read_secrets,
     write_owner,
+    write_replicas,
     write_secrets,
 )
 
@@ -97,6 +106,8 @@ def _preflight(config: StackConfig) -> bool:
     get_variant(config.variant)
     require_binary("redis-server")
     require_binary("haproxy")
+    if config.discovery == "etcd":
+        find_etcd()
     with_netns = use_netns(config)
     if config.port and port_in_use(config.port):
         raise InvalidInput(
@@ -183,9 +194,21 @@ def _start(
     )
     say(f"token table seeded: {len(records)} tokens, {config.tenants} tenants -> {tokens_file}")
 
-    nodes = _start_nodes(config, stack_id, owner, state_dir, with_netns)
+    replicas_path = (
+        write_replicas(state_dir, {"gpu": config.autoscale_min_replicas})
+        if config.autoscale
+        else None
+    )
+    subnet = netns.pick_subnet() if with_netns else None
+    registry = None
+    if config.discovery == "etcd":
+        registry = _start_registry(config, stack_id, owner, state_dir, subnet)
+        say("registry ready: " + ", ".join(f"{m.name} {m.client_url}" for m in registry.members))
+    nodes = _start_nodes(config, stack_id, owner, state_dir, subnet, replicas_path)
     for node in nodes:
         for worker in node.workers:
+            if replicas_path is not None and _ordinal(worker) >= config.autoscale_min_replicas:
+                continue  # a replica slot the autoscaler has not asked for (yet)
             wait_until(
                 f"worker {worker.name} on {node.name}",
                 lambda w=worker: http_get_status(f"{w.url}/healthz", 0.5) == 200,
@@ -197,14 +220,33 @@ def _start(
     upstreams = tuple(
         UpstreamWorker(w.name, w.url, w.mode, node=n.name) for n in nodes for w in n.workers
     )
+    discovery = DiscoverySettings()
+    if registry is not None:
+        registry = _start_registrar(config, registry, upstreams, state_dir, stack_id, owner)
+        expected = sum(
+            1
+            for n in nodes
+            for w in n.workers
+            if replicas_path is None or _ordinal(w) < config.autoscale_min_replicas
+        )
+        _wait_registered(registry, expected, config.ready_timeout_s)
+        say(f"registrar ready: {expected} worker(s) under {registry.prefix}")
+        discovery = DiscoverySettings(
+            endpoints=tuple(m.client_url for m in registry.members), prefix=registry.prefix
+        )
     base = GatewaySettings(
         models=(config.model,),
-        workers=upstreams,
+        workers=() if registry is not None else upstreams,
+        discovery=discovery,
         redis_url=f"redis://127.0.0.1:{redis_port}/0",
         token_db_path=str(token_db),
         token_db_latency_ms=config.token_db_latency_ms,
         token_db_pool_size=config.token_db_pool_size,
         queue_shed_threshold=config.queue_shed_threshold,
+        degradation=DegradationSettings(
+            queue_depth_threshold=config.degradation_queue_threshold,
+            latency_for_s=config.degradation_latency_for_s,
+        ),
     )
     roles = ["primary", "backup"] if variant.backup_gateway else ["primary"]
     gateways = []
@@ -233,6 +275,14 @@ def _start(
     )
     say(f"haproxy ready: {gateway_url}")
 
+    autoscaler_pid = None
+    if replicas_path is not None and variant.autoscaler:
+        autoscaler_pid = _start_autoscaler(config, nodes, replicas_path, stack_id, owner).pid
+        say(
+            f"autoscaler: gpu {config.autoscale_min_replicas}..{config.gpu_workers} replicas, "
+            f"target {config.autoscale_target_utilization:.0%}, every {config.autoscale_sync_s:g} s"
+        )
+
     return Topology(
         stack_id=stack_id,
         state_dir=str(state_dir),
@@ -250,7 +300,107 @@ def _start(
         haproxy_stats_port=stats_port,
         nodes=tuple(nodes),
         gateways=tuple(gateways),
+        replicas_path=None if replicas_path is None else str(replicas_path),
+        autoscaler_pid=autoscaler_pid,
+        registry=registry,
     )
+
+
+def _start_registry(
+    config: StackConfig,
+    stack_id: str,
+    owner: Owner,
+    state_dir: Path,
+    subnet: ipaddress.IPv4Network | None,
+) -> RegistryInfo:
+    """A 3-member etcd cluster, each member in a namespace of its own when nodes are."""
+    binary = find_etcd()
+    network = None
+    if subnet is not None:
+        with deferred():  # whole or not at all: the teardown finds it by name
+            network = netns.create_registry_network(stack_id[-4:], MEMBERS, subnet)
+    members = plan_members(state_dir, network)
+    token = f"llmchaos-{stack_id}"
+    started = []
+    for member in members:
+        pid = start_member(
+            member, members, binary=binary, token=token, stack_id=stack_id, owner=owner
+        )
+        started.append(replace(member, pid=pid))
+    wait_ready(tuple(started), config.ready_timeout_s)
+    return RegistryInfo(
+        members=tuple(started),
+        prefix=f"/llmchaos/{stack_id}/workers/",
+        cluster_token=token,
+        binary=binary,
+    )
+
+
+def _start_registrar(
+    config: StackConfig,
+    registry: RegistryInfo,
+    upstreams: tuple[UpstreamWorker, ...],
+    state_dir: Path,
+    stack_id: str,
+    owner: Owner,
+) -> RegistryInfo:
+    settings = RegistrarSettings(
+        endpoints=tuple(m.client_url for m in registry.members),
+        prefix=registry.prefix,
+        workers=upstreams,
+    )
+    path = write_settings(settings, state_dir / "registrar.json")
+    argv = [sys.executable, "-m", "llmchaos.stack.registrar", "--settings", str(path)]
+    log_path = state_dir / "logs" / "registrar.log"
+    process = spawn(argv, stack_id=stack_id, owner=owner, log_path=log_path)
+    return replace(registry, registrar_pid=process.pid)
+
+
+def _wait_registered(registry: RegistryInfo, expected: int, timeout_s: float) -> None:
+    """Until the registry lists `expected` workers (the registrar's first rounds)."""
+    body = etcd.prefix_range(registry.prefix)
+
+    def listed() -> bool:
+        for member in registry.members:
+            try:
+                answer = etcd.call(member.client_url, "/v3/kv/range", body, 0.5)
+            except StackError:
+                continue
+            return len(etcd.endpoints_of(answer)) >= expected
+        return False
+
+    wait_until(f"{expected} worker(s) in the registry", listed, timeout_s)
+
+
+def _ordinal(worker: WorkerInfo) -> int:
+    """A GPU worker's index in its pool (gpu-3 -> 3)."""
+    return int(worker.name.rsplit("-", 1)[1])
+
+
+def _start_autoscaler(
+    config: StackConfig,
+    nodes: list[NodeInfo],
+    replicas_path: Path,
+    stack_id: str,
+    owner: Owner,
+) -> subprocess.Popen[bytes]:
+    state_dir = replicas_path.parent
+    gpus = sorted((w for n in nodes for w in n.workers if w.mode == "gpu"), key=_ordinal)
+    settings = AutoscalerSettings(
+        replicas_path=str(replicas_path),
+        state_path=str(state_dir / "autoscaler-state.json"),
+        workers=tuple(ScaledWorker(w.name, f"{w.url}/healthz") for w in gpus),
+        min_replicas=config.autoscale_min_replicas,
+        max_replicas=config.gpu_workers,
+        target_utilization=config.autoscale_target_utilization,
+        sync_period_s=config.autoscale_sync_s,
+        scale_down_window_s=config.autoscale_scale_down_window_s,
+        policy_period_s=config.autoscale_policy_period_s,
+    )
+    path = write_settings(settings, state_dir / "autoscaler.json")
+    argv = [sys.executable, "-m", "llmchaos.stack.autoscaler", "--settings", str(path)]
+    log_path = state_dir / "logs" / "autoscaler.log"
+    return spawn(argv, stack_id=stack_id, owner=owner, log_path=log_path)
 
 
 def node_layout(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -266,9 +416,13 @@ def node_layout(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
 
 
 def _start_nodes(
-    config: StackConfig, stack_id: str, owner: Owner, state_dir: Path, with_netns: bool
+    config: StackConfig,
+    stack_id: str,
+    owner: Owner,
+    state_dir: Path,
+    subnet: ipaddress.IPv4Network | None,
+    replicas_path: Path | None = None,
 ) -> list[NodeInfo]:
-    subnet = netns.pick_subnet() if with_netns else None
     short_id = stack_id[-4:]
     nodes = []
     for index, (node, workers) in enumerate(node_layout(config)):
@@ -281,6 +435,8 @@ def _start_nodes(
         for worker_index, (name, mode) in enumerate(workers):
             port = WORKER_PORT + worker_index if net else free_port()
             base = GPU_PROFILE if mode == "gpu" else CPU_PROFILE
+            if mode == "gpu" and config.gpu_max_num_seqs is not None:
+                base = replace(base, max_num_seqs=config.gpu_max_num_seqs)
             load_s = config.gpu_load_s if mode == "gpu" else config.cpu_load_s
             settings = WorkerSettings(
                 name=name,
@@ -312,8 +468,17 @@ def _start_nodes(
             state_path=str(state_dir / f"agent-{node}.state.json"),
             restart_delay_s=config.restart_delay_s,
             workers=tuple(
-                AgentWorker(w.name, w.settings_path, w.log_path, f"{w.url}/healthz") for w in infos
+                AgentWorker(
+                    w.name,
+                    w.settings_path,
+                    w.log_path,
+                    f"{w.url}/healthz",
+                    pool="gpu" if replicas_path is not None and w.mode == "gpu" else "",
+                    ordinal=_ordinal(w) if w.mode == "gpu" else 0,
+                )
+                for w in infos
             ),
+            replicas_path="" if replicas_path is None else str(replicas_path),
         )
         agent_path = write_settings(agent_settings, state_dir / f"agent-{node}.json")
         argv = [sys.executable, "-m", "llmchaos.stack.agent", "--settings", str(agent_path)]

@@ -25,6 +25,8 @@ __all__ = [
     "AgentState",
     "GatewayInfo",
     "NodeInfo",
+    "RegistryInfo",
+    "RegistryMember",
     "StackSecrets",
     "Topology",
     "WorkerInfo",
@@ -32,8 +34,10 @@ __all__ = [
     "find_state_dir",
     "read_agent_state",
     "read_owner",
+    "read_replicas",
     "read_secrets",
     "write_owner",
+    "write_replicas",
     "write_secrets",
 ]
 
@@ -125,6 +129,41 @@ class GatewayInfo:
 
 
 @dataclass(frozen=True)
+class RegistryMember:
+    """One etcd member of the stack's registry (llmchaos.stack.registry)."""
+
+    name: str
+    client_url: str
+    peer_url: str
+    netns: str | None
+    data_dir: str
+    log_path: str
+    pid: int = 0
+    """Its etcd process now (changes when it is started again)."""
+
+
+@dataclass(frozen=True)
+class RegistryInfo:
+    """The registry the gateways find their workers in, and who keeps it filled."""
+
+    members: tuple[RegistryMember, ...]
+    prefix: str
+    """Key prefix of the stack's workers."""
+    cluster_token: str
+    binary: str
+    """The etcd the members run (what a restart runs again)."""
+    registrar_pid: int = 0
+
+    def member(self, name: str) -> RegistryMember:
+        """The member called `name`; raises InvalidInput listing the known ones."""
+        for member in self.members:
+            if member.name == name:
+                return member
+        known = ", ".join(m.name for m in self.members)
+        raise InvalidInput(f"member: unknown registry member {name!r}; members: {known}")
+
+
+@dataclass(frozen=True)
 class Topology:
     """Everything one `stack up` started."""
 
@@ -147,6 +186,12 @@ class Topology:
     """HAProxy's admin socket (TCP on 127.0.0.1): `show stat`, `disable server` ..."""
     nodes: tuple[NodeInfo, ...]
     gateways: tuple[GatewayInfo, ...]
+    replicas_path: str | None = None
+    """The replicas file the node agents follow (None: every worker always runs)."""
+    autoscaler_pid: int | None = None
+    """The embedded autoscaler (None: none runs; the replica count stays as written)."""
+    registry: RegistryInfo | None = None
+    """The service registry (None: the gateways' workers are in their settings)."""
 
     @property
     def path(self) -> Path:
@@ -222,6 +267,26 @@ def read_agent_state(path: Path) -> AgentState | None:
         return None
     workers = {name: WorkerState(**w) for name, w in data.get("workers", {}).items()}
     return AgentState(data["node"], data["agent_pid"], data["updated_at"], workers)
+
+
+REPLICAS_FILE = "replicas.json"
+"""A stack's replica counts per worker pool ({"gpu": N}), written by the autoscaler (and
+before anything starts), followed by the node agents: a Deployment's `spec.replicas`."""
+
+
+def write_replicas(state_dir: Path, replicas: dict[str, int]) -> Path:
+    path = Path(state_dir) / REPLICAS_FILE
+    write_json_atomic(path, replicas)
+    return path
+
+
+def read_replicas(path: Path) -> dict[str, int]:
+    """Replica counts from a replicas file; raises OSError when it cannot be read, ValueError
+    when it is not such a file."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not all(isinstance(v, int) for v in data.values()):
+        raise ValueError(f"{path}: expected {{pool: replicas}}, got {data!r}")
+    return {str(k): int(v) for k, v in data.items()}
 
 
 def find_state_dir(state_root: Path, state_dir: Path | None = None) -> Path:

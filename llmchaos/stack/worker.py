@@ -461,9 +461,10 @@ async def serve(settings: WorkerSettings) -> None:
         make_app(settings),
         handle_signals=False,
         access_log=None,
-        shutdown_timeout=SHUTDOWN_GRACE_S,
-        # a client that goes away aborts its sequence, queued or running, as vLLM does
+        # a client that goes away aborts its sequences (vLLM's with_cancellation): without
+        # it, requests a timed-out client left behind keep their queue place and their KV
         handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     await runner.setup()
     try:

@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_VARIANT",
     "KINDS",
     "CleanupRequest",
+    "Replicas",
     "Target",
     "TargetInfo",
     "TargetKind",
@@ -101,6 +102,9 @@ class TargetInfo:
     """What partitions would need where they are not supported, for the message that says so."""
     drains_supported: bool = False
     """True when nodes can be drained (cordoned, their pods evicted): a cluster."""
+    registry_members: tuple[str, ...] = ()
+    """Members of the service registry the gateways find their workers in (embedded stack
+    with discovery etcd); () when there is none to break."""
     aliases: dict[str, str] = field(default_factory=dict)
     """The embedded stack's names (gpu-0, node-a, primary) for this target's own ones (pod
     and node names), so the catalogue runs unchanged on a cluster."""
@@ -146,6 +150,23 @@ class TargetInfo:
             raise InvalidInput(f"node: unknown node {node!r}; nodes: {', '.join(self.nodes)}")
         return real
 
+    def registry_member_names(self, member: str) -> list[str]:
+        """Registry members selected by name or "all" ("leader" is resolved by the target
+        when the fault acts). Raises InvalidInput for an unknown name or no registry."""
+        if not self.registry_members:
+            raise InvalidInput(
+                "member: the target has no service registry to break (embedded stack: set "
+                "discovery: etcd)"
+            )
+        if member == "all":
+            return list(self.registry_members)
+        if member not in self.registry_members:
+            raise InvalidInput(
+                f"member: unknown registry member {member!r}; expected leader, all or one of "
+                f"{', '.join(self.registry_members)}"
+            )
+        return [member]
+
     def check_node(self, node: str) -> None:
         """Raises InvalidInput when `node` is not a node of the target."""
         self.node_name(node)
@@ -164,6 +185,23 @@ class TargetInfo:
             f"gateway: unknown gateway {gateway!r}; expected primary, all or one of "
             f"{', '.join(self.gateways)}"
         )
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The GPU pool's size as its autoscaler sees it: what it asks and what serves."""
+
+    desired: int
+    """The replica count asked for (the HPA's decision: the Deployment's spec.replicas, the
+    embedded stack's replicas file)."""
+    ready: int
+    """Replicas ready to serve."""
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    autoscaled: bool = False
+    """An autoscaler acts on the pool (False: nothing would change the count)."""
+    detail: str = ""
+    """What the autoscaler last said, when the target can tell (HPA conditions, ...)."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +229,9 @@ class Target(ABC):
     idempotent, so the run's ledger can replay undos after any failure.
     """
 
-    UNDO_OPS: ClassVar[frozenset[str]] = frozenset({"heal_partition", "restore_gateway"})
+    UNDO_OPS: ClassVar[frozenset[str]] = frozenset(
+        {"heal_partition", "restore_gateway", "restart_registry_member", "heal_registry_member"}
+    )
     """Methods the ledger may call to undo a fault."""
 
     @abstractmethod
@@ -244,6 +284,32 @@ class Target(ABC):
         targets without nodes to drain (TargetInfo.drains_supported)."""
         raise InvalidInput(f"drain_node: {type(self).__name__} has no nodes to drain")
 
+    def registry_leader(self) -> str:
+        """The registry member that leads now. InvalidInput on targets without a registry."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
+    def kill_registry_member(self, member: str) -> dict[str, Any]:
+        """SIGKILL registry member `member` (undo: `restart_registry_member`)."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
+    def restart_registry_member(self, member: str) -> None:
+        """Start a killed registry member again from its data. Idempotent."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
+    def wait_registry_ready(self, timeout_s: float = 30.0) -> None:
+        """Until every registry member serves (a quorum and a leader). Raises
+        ComponentNotReady past `timeout_s`."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
+    def partition_registry_member(self, member: str) -> None:
+        """Drop every packet in and out of registry member `member` (undo:
+        `heal_registry_member`). Idempotent."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
+    def heal_registry_member(self, member: str) -> None:
+        """Undo partition_registry_member. Idempotent."""
+        raise InvalidInput(f"{type(self).__name__}: no service registry")
+
     @abstractmethod
     def expire_token_cache(self, ttl_s: float) -> int:
         """Delete every cached token (ttl_s = 0) or set its TTL to `ttl_s`; returns the
@@ -257,6 +323,17 @@ class Target(ABC):
     @abstractmethod
     def healthy_workers(self, mode: str = "") -> int:
         """Workers answering ready, of `mode` (gpu, cpu; "" = any)."""
+
+    def replicas(self) -> Replicas:
+        """The GPU pool's desired and ready replicas. InvalidInput on targets that cannot
+        tell."""
+        raise InvalidInput(f"{type(self).__name__}: cannot read the GPU pool's replicas")
+
+    def gateway_metric(self, name: str) -> float:
+        """Sum over the gateways of the samples of metric `name` on their /metrics (e.g.
+        `service_degraded_total`); 0 from a gateway that does not answer. InvalidInput on
+        targets whose gateways cannot be read."""
+        raise InvalidInput(f"{type(self).__name__}: cannot read the gateways' metric {name!r}")
 
     def kv_cache_usage(self) -> float | None:
         """The fullest KV cache among the engines that export it (0..1; vLLM:

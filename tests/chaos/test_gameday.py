@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,7 +64,8 @@ def test_a_broken_experiment_is_one_failing_test(tmp_path: Path) -> None:
     out = result.stdout
     assert result.returncode == 1, out[-3000:]
     # broken.json: one test; bad_qps.json: its default and its negative control
-    assert out.splitlines()[-1].startswith("3 failed in"), out[-3000:]
+    # (the soak suite's cases are collected and deselected: `-m resilience`)
+    assert re.match(r"3 failed(, \d+ deselected)? in", out.splitlines()[-1]), out[-3000:]
     assert "framework error: broken.json is not a valid experiment" in out
     assert "not JSON" in out
     assert "qps: expected a number > 0 and <= 1,000,000, got -1" in out
@@ -205,3 +207,31 @@ def _wait_for_file(folder: Path, pattern: str, proc: subprocess.Popen[str]) -> P
             return found[0]
         time.sleep(0.1)
     raise AssertionError(f"no {pattern} under {folder} within 180 s")
+
+
+def _collected(*marker: str) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(REPO / "suites"), *marker, "--collect-only", "-q"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return [line for line in result.stdout.splitlines() if "::" in line]
+
+
+def test_the_soak_is_a_suite_of_its_own() -> None:
+    """The soak runs for hours: never with the catalogue (`-m resilience`, `make test`), only
+    as `-m soak` (`llmchaos gameday --suite soak`), with its known-bad variant."""
+    from llmchaos.gameday import SUITES
+
+    resilience, soak = _collected("-m", "resilience"), _collected("-m", "soak")
+    assert resilience and not [t for t in resilience if "soak" in t]
+    assert soak == [
+        "suites/test_soak.py::test_soak[soak[default:hardened]]",
+        "suites/test_soak.py::test_soak[soak[negative:late-degradation]]",
+    ]
+    assert SUITES["soak"] == ["-m", "soak"] and "resilience" in SUITES["nightly"]
+    soak_file = json.loads((REPO / "experiments" / "soak" / "soak.json").read_text())
+    step = soak_file["configuration"]["soak_step_s"]
+    assert (step["key"], step["env_var_type"]) == ("LLMCHAOS_SOAK_STEP_S", "int")

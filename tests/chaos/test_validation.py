@@ -24,7 +24,9 @@ from llmchaos.run import ChaosRun
 from llmchaos.settings import RunSettings
 from llmchaos.validation import validate_experiment_file
 
-EXPERIMENTS = sorted((REPO / "experiments").glob("*.json"))
+EXPERIMENTS = sorted((REPO / "experiments").glob("*.json")) + sorted(
+    (REPO / "experiments" / "soak").glob("*.json")
+)
 GPU_KILL = REPO / "experiments" / "gpu_kill.json"
 
 Mutation = Callable[[dict[str, Any]], None]

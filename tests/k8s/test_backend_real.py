@@ -34,7 +34,7 @@ from llmchaos.targets.kubernetes import (
 )
 
 from .controlplane import NAMESPACE as NS
-from .controlplane import POD_READY_DELAY_S, DeployedStack
+from .controlplane import POD_READY_DELAY_S, DeployedStack, fake_node
 
 pytestmark = pytest.mark.slow
 
@@ -466,6 +466,51 @@ def test_readings(deployed: DeployedStack, real_backend: Make) -> None:
     assert backend.healthy_workers("gpu") == 2
     with pytest.raises(InvalidInput, match="mode"):
         backend.healthy_workers("tpu")
+
+
+def test_replicas_read_the_gpu_deployment_and_its_hpa(
+    deployed: DeployedStack, real_backend: Make
+) -> None:
+    """What the autoscaling experiment reads on a cluster: the GPU Deployment's spec.replicas
+    and Ready pods, the HPA's bounds and status. No HPA controller runs here (it needs a
+    metrics API this control plane does not have), so the test scales the Deployment through
+    the API as the HPA would, and the readings and the scale-out watch must follow."""
+    from types import SimpleNamespace
+
+    from llmchaos import measure
+
+    backend = real_backend()
+    first = backend.replicas()
+    assert (first.desired, first.ready, first.min_replicas, first.max_replicas) == (2, 2, 2, 8)
+    assert first.autoscaled and "no status yet" in first.detail
+    # a scale-out watched as the experiment watches it: asked at once, one of three ready
+    # only when a third GPU node joins (the scheduler leaves the pod Pending until then)
+    run = SimpleNamespace(target=backend, findings={}, notes=[], last_fault_ts=lambda: time.time())
+    scaler = threading.Timer(
+        1.0,
+        lambda: deployed.apps.patch_namespaced_deployment_scale(
+            "vllm-gpu", NS, {"spec": {"replicas": 3}}
+        ),
+    )
+    joiner = threading.Timer(4.0, lambda: deployed.core.create_node(fake_node("node-gpu-2", 1)))
+    scaler.start()
+    joiner.start()
+    try:
+        found = measure.watch_scale_out(run, timeout_s=30)  # type: ignore[arg-type]
+    finally:
+        scaler.cancel()
+        joiner.cancel()
+    assert found["replicas_before"] == 2 and found["replicas_after_scale_out"] == 3
+    assert 0.5 <= found["scale_out_decided_after_s"] <= 3.0
+    # ready once the node is there and kwok made the pod Ready (2 s)
+    assert 4.0 + POD_READY_DELAY_S - 0.5 <= found["scale_out_ready_after_s"] <= 15.0
+    assert backend.replicas().ready == 3
+    # without an HPA the pool is not autoscaled
+    k8s.AutoscalingV2Api(deployed.api).delete_namespaced_horizontal_pod_autoscaler("vllm-gpu", NS)
+    alone = backend.replicas()
+    assert (
+        not alone.autoscaled and alone.desired == 3 and alone.detail == "no HorizontalPodAutoscaler"
+    )
 
 
 def test_pod_recovery_times_agree_with_a_watch_of_the_pods(

@@ -272,6 +272,7 @@ def test_rbac_grants_exactly_the_verbs_the_backend_uses(
         backend.expire_token_cache(0)  # exec redis-cli (here `true`: no keys)
         backend.queue_depth()
         backend.healthy_workers()
+        backend.replicas()  # the GPU Deployment and its HPA
         backend.pod_recovery_times("app.kubernetes.io/component=engine-gpu", 0)
         backend.drain_node("node-gpu-0")  # cordon + evictions
         backend.uncordon_node("node-gpu-0")

@@ -167,6 +167,8 @@ class FakeUpstream:
         self.health_status = 200
         self.health_state = "ready"
         self.health_hang = False
+        self.metrics_text = ""
+        """What /metrics answers (vLLM's text); empty: 404, as a worker without metrics."""
         self.received: list[Received] = []
         self.in_flight = 0
         self.cancelled = 0
@@ -184,6 +186,7 @@ class FakeUpstream:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(
             app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1
         )
@@ -206,6 +209,11 @@ class FakeUpstream:
         if self.health_state == "ready":
             body |= {"node": "node-test", "max_num_seqs": self.max_num_seqs, "pid": 1}
         return web.json_response(body, status=self.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if not self.metrics_text:
+            return web.Response(status=404)
+        return web.Response(text=self.metrics_text)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()

@@ -62,6 +62,13 @@ def test_bad_worker_count_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None
     one_line_error(capsys, "gpu_workers", ">= 0")
 
 
+def test_a_bad_stack_knob_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = ["stack", "up", "--gpu-max-num-seqs", "0", "--state-root", str(tmp_path)]
+    assert main(argv) == 2
+    one_line_error(capsys, "gpu_max_num_seqs", "1..4096", "got 0")
+    assert not list(tmp_path.iterdir()), "nothing may be started or written for bad input"
+
+
 def test_status_without_a_stack_says_how_to_start_one(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["stack", "status", "--state-root", str(tmp_path)]) == 2
     one_line_error(capsys, "no stack found", "llmchaos stack up")
@@ -70,11 +77,21 @@ def test_status_without_a_stack_says_how_to_start_one(tmp_path: Path, capsys) ->
 @pytest.mark.slow
 def test_up_status_down_from_the_command_line(tmp_path: Path) -> None:
     root = str(tmp_path)
-    up = run_cli("stack", "up", "--port", "0", "--gpu-load-s", "0.5", "--state-root", root)
+    up = run_cli(
+        "stack", "up", "--port", "0", "--gpu-load-s", "0.5", "--state-root", root,
+        "--gpu-max-num-seqs", "16", "--degradation-queue-threshold", "40",
+        "--queue-shed-threshold", "80",
+    )  # fmt: skip
     try:
         assert up.returncode == 0, up.stderr
         topology_path = Path(up.stdout.strip().splitlines()[-1])
         assert topology_path.name == "topology.json" and topology_path.exists()
+        # the knobs reach the parts that use them
+        gateway = json.loads((topology_path.parent / "gateway-primary.json").read_text())
+        assert gateway["degradation"]["queue_depth_threshold"] == 40
+        assert gateway["queue_shed_threshold"] == 80
+        gpu = json.loads((topology_path.parent / "worker-gpu-0.json").read_text())
+        assert gpu["profile"]["max_num_seqs"] == 16
         assert "haproxy ready" in up.stderr, "stack up shows progress"
         status = run_cli("stack", "status", "--json", "--state-root", root)
         assert status.returncode == 0, status.stderr

@@ -38,7 +38,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import aiohttp
 from yarl import URL
@@ -66,11 +66,13 @@ class Worker:
         "name",
         "outstanding",
         "ready",
+        "upstream",
         "urls",
     )
 
     def __init__(self, upstream: UpstreamWorker, queue_ratio: float) -> None:
         base = upstream.url.rstrip("/")
+        self.upstream = upstream
         self.name = upstream.name
         self.mode: str = upstream.mode
         # parsed once: aiohttp would parse a str URL on every request
@@ -102,22 +104,38 @@ class WorkerPool:
     """All upstream workers of one gateway, with selection and health checking."""
 
     def __init__(self, settings: GatewaySettings) -> None:
-        ratios = {
+        self._ratios = {
             "gpu": max(0.0, settings.worker_queue_allowance_ratio),
             "cpu": max(0.0, settings.cpu_queue_allowance_ratio),
         }
-        self.workers = tuple(Worker(w, ratios[w.mode]) for w in settings.workers)
-        self._gpu = tuple(w for w in self.workers if w.mode == "gpu")
-        self._cpu = tuple(w for w in self.workers if w.mode == "cpu")
         self._cpu_fallback = settings.cpu_fallback
         self._failover = settings.failover
-        # what a Service without readiness probes spreads over: every gpu worker, always
-        self._always_eligible = self._gpu or (self._cpu if self._cpu_fallback else ())
+        self._set(tuple(Worker(w, self._ratios[w.mode]) for w in settings.workers))
         self._eject_s = settings.eject_s
         self._health_interval_s = settings.health_interval_s
         self._health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
         self._timeouts_to_fail = max(1, settings.health_timeouts_to_fail)
         self._rotation = 0
+
+    def _set(self, workers: tuple[Worker, ...]) -> None:
+        self.workers = workers
+        self._gpu = tuple(w for w in workers if w.mode == "gpu")
+        self._cpu = tuple(w for w in workers if w.mode == "cpu")
+        # what a Service without readiness probes spreads over: every gpu worker, always
+        self._always_eligible = self._gpu or (self._cpu if self._cpu_fallback else ())
+
+    def set_workers(self, upstreams: Sequence[UpstreamWorker]) -> None:
+        """Route to `upstreams` from now on (what the registry gave: gateway/discovery.py). A
+        worker known by name and URL keeps its health and load; a new one starts unhealthy
+        until its first check."""
+        known = {(w.name, w.upstream.url): w for w in self.workers}
+        self._set(
+            tuple(known.get((u.name, u.url)) or Worker(u, self._ratios[u.mode]) for u in upstreams)
+        )
+
+    @property
+    def upstreams(self) -> tuple[UpstreamWorker, ...]:
+        return tuple(w.upstream for w in self.workers)
 
     def select(self, exclude: Collection[Worker] = ()) -> Worker | None:
         """The worker for the next request (rules in the module docstring), or None."""

@@ -24,6 +24,8 @@ from aiohttp.typedefs import Handler
 
 from llmchaos.errors import StackError
 from llmchaos.stack.gateway.auth import TokenAuthenticator, TokenDb
+from llmchaos.stack.gateway.degradation import Degradation
+from llmchaos.stack.gateway.discovery import Discovery
 from llmchaos.stack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from llmchaos.stack.gateway.proxy import Proxy
 from llmchaos.stack.gateway.routing import WorkerPool
@@ -59,6 +61,12 @@ class Gateway:
         self.settings = settings
         self.pool = WorkerPool(settings)
         self.metrics = GatewayMetrics(self.pool)
+        self.degradation = Degradation(
+            settings.degradation,
+            lambda: [(w.name, w.health_url.with_path("/metrics")) for w in self.pool.workers],
+            self.metrics.registry,
+            settings.retry_after_s,
+        )
         self._db = TokenDb(settings, self.metrics)
         self._auth = TokenAuthenticator(settings, self._db, self.metrics)
         self._models = tuple(settings.models)
@@ -73,6 +81,13 @@ class Gateway:
         self._proxy: Proxy | None = None
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._degradation_task: asyncio.Task[None] | None = None
+        self.discovery = (
+            Discovery(settings.discovery, self.pool, self.metrics.registry)
+            if settings.discovery.endpoints
+            else None
+        )
+        self._discovery_task: asyncio.Task[None] | None = None
         self.port = settings.port
         """Bound port (the real one when settings.port is 0)."""
 
@@ -89,8 +104,12 @@ class Gateway:
         )
         self._proxy = Proxy(self.settings, self.pool, self.metrics, self._session)
         # a first round before listening, so a fresh gateway does not 503 for one interval
+        if self.discovery is not None:
+            await self.discovery.poll(self._session)
+            self._discovery_task = asyncio.create_task(self.discovery.run(self._session))
         await self.pool.check_all(self._session)
         self._health_task = asyncio.create_task(self.pool.run_health_checks(self._session))
+        self._degradation_task = asyncio.create_task(self.degradation.run(self._session))
         app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
         app.router.add_post(CHAT_PATH, self._chat_completions)
         app.router.add_post(COMPLETIONS_PATH, self._completions)
@@ -100,6 +119,7 @@ class Gateway:
         app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
         app.on_response_prepare.append(self._add_gateway_header)
+        self.degradation.install(app)
         self._runner = OpenAIAppRunner(
             app,
             access_log=None,
@@ -120,10 +140,11 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop listening and release every connection, pool and thread."""
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in (self._health_task, self._degradation_task, self._discovery_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -149,6 +170,7 @@ class Gateway:
                 raise http_error(exc, request) from None
             generation = parse_generation_request(body, self._models, path == CHAT_PATH)
             self._admit()
+            body = self.degradation.admit(request, generation, body)
             assert self._proxy is not None
             response, mode = await self._proxy.forward(
                 request, path, body, generation.stream, tenant

@@ -55,6 +55,33 @@ class EmbeddedSettings(TargetSettings):
     simulated GPUs are the limit for LLM-shaped ones: one must carry all of it once the
     other is killed (a cluster is sized to survive one failure), and at 50 QPS of the default
     traffic its P99 stays near 2 s, under the 3 s SLO."""
+    degradation_queue_threshold: int = 500
+    """The gateways degrade at once when the engines' queue passes this (the seed's 500)."""
+    degradation_latency_for_s: float = 120.0
+    """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
+    seed's 2 minutes)."""
+    queue_shed_threshold: int = 1000
+    """The gateways' last line: 429 above this estimated queue, degraded or not (twice the
+    degradation threshold by default)."""
+    discovery: Literal["static", "etcd"] = "static"
+    """Where the gateways find their workers: their settings, or a 3-member etcd registry a
+    registrar keeps filled (the registry experiments; needs an etcd binary)."""
+    gpu_max_num_seqs: int = 256
+    """Running-batch size of the GPU workers (vLLM --max-num-seqs); a small batch (a large
+    model per GPU) saturates at a rate this machine can send (the autoscaling experiment)."""
+    autoscale: bool = False
+    """Scale the GPU pool with the embedded autoscaler (HPA semantics): `gpu_workers` is then
+    the most replicas, `autoscale_min_replicas` run at first; each new one loads its model
+    for `gpu_load_s`. The variant `no-autoscaler` keeps the minimum."""
+    autoscale_min_replicas: int = 1
+    autoscale_target_utilization: float = 0.7
+    """Average (running + waiting) / max_num_seqs per replica aimed at (the seed's 70%)."""
+    autoscale_sync_s: float = 15.0
+    """How often the autoscaler decides (the HPA's sync period)."""
+    autoscale_scale_down_window_s: float = 300.0
+    """The HPA's scale-down stabilisation window."""
+    autoscale_policy_period_s: float = 15.0
+    """Period of the HPA's rate limits (4 pods or 100% up, 100% down)."""
     stacks_root: str = "reports/stacks"
     """Folder of the stacks' state folders."""
 
@@ -67,6 +94,15 @@ class EmbeddedSettings(TargetSettings):
         "token_db_latency_ms": Range(0, 10_000),
         "token_db_pool_size": Range(1, 1000),
         "tenants": Range(1, 100_000),
+        "degradation_queue_threshold": Range(1, 1_000_000),
+        "degradation_latency_for_s": Range(0, 86_400),
+        "queue_shed_threshold": Range(1, 1_000_000),
+        "gpu_max_num_seqs": Range(1, 4096),
+        "autoscale_min_replicas": Range(1, 64),
+        "autoscale_target_utilization": Range(0, 100, low_open=True),
+        "autoscale_sync_s": Range(0, 3600, low_open=True),
+        "autoscale_scale_down_window_s": Range(0, 86_400),
+        "autoscale_policy_period_s": Range(0, 3600, low_open=True),
         # the embedded stack runs on one machine: four times what the load sends from 2 cores
         "embedded_max_qps": Range(0, 20_000, low_open=True),
     }

@@ -26,15 +26,24 @@ from llmchaos.processes import pid_alive
 from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import http_get_status
+from llmchaos.stack.registry import MEMBERS, leader, restart_member, wait_ready
 from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
-from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
-from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.stack.topology import (
+    RegistryInfo,
+    Topology,
+    read_agent_state,
+    read_replicas,
+    read_secrets,
+)
+from llmchaos.targets import Replicas, Target, TargetInfo, WorkerRef
 from llmchaos.targets.cache import expire_keys
 
 __all__ = ["EmbeddedTarget", "planned_info"]
 
 _READ_TIMEOUT_S = 0.5
 """Timeout of one metrics or health read: a partitioned node must not stall a probe."""
+_GATEWAY_READ_TIMEOUT_S = 2.0
+"""Timeout of one read of a gateway's /metrics: an overloaded gateway answers late."""
 
 
 def planned_info(config: StackConfig) -> TargetInfo:
@@ -50,6 +59,9 @@ def planned_info(config: StackConfig) -> TargetInfo:
         gateways=tuple(f"gateway-{role}" for role in roles),
         partitions_supported=use_netns(config),
         partitions_need="nodes as network namespaces: root, with netns auto or on",
+        registry_members=tuple(f"reg-{i}" for i in range(MEMBERS))
+        if config.discovery == "etcd"
+        else (),
     )
 
 
@@ -84,6 +96,9 @@ class EmbeddedTarget(Target):
             ),
             gateways=tuple(g.name for g in topology.gateways),
             partitions_supported=all(n.netns for n in topology.nodes),
+            registry_members=tuple(m.name for m in topology.registry.members)
+            if topology.registry
+            else (),
         )
 
     @property
@@ -148,6 +163,46 @@ class EmbeddedTarget(Target):
         known = ", ".join(g.name for g in self.topology.gateways)
         raise InvalidInput(f"gateway: unknown gateway {name!r}; gateways: {known}")
 
+    # -- the registry ----------------------------------------------------------------------
+    def _registry(self) -> RegistryInfo:
+        registry = self.topology.registry
+        if registry is None:
+            raise InvalidInput("the stack has no registry (discovery etcd)")
+        return registry
+
+    def registry_leader(self) -> str:
+        return leader(self._registry().members)
+
+    def kill_registry_member(self, member: str) -> dict[str, Any]:
+        info = self._registry().member(member)
+        if not info.pid or not pid_alive(info.pid):
+            raise StackError(f"registry member {member} is not running (pid {info.pid})")
+        os.kill(info.pid, signal.SIGKILL)
+        return {"member": member, "pid": info.pid}
+
+    def restart_registry_member(self, member: str) -> None:
+        restart_member(self.topology, member)
+
+    def wait_registry_ready(self, timeout_s: float = 30.0) -> None:
+        wait_ready(self._registry().members, timeout_s)
+
+    def _member_netns(self, member: str) -> str:
+        namespace = self._registry().member(member).netns
+        if not namespace:
+            raise InvalidInput(
+                f"registry member {member!r} is not in a network namespace: partitions need "
+                "root (netns auto or on)"
+            )
+        return namespace
+
+    def partition_registry_member(self, member: str) -> None:
+        netns.partition_namespace(self._member_netns(member))
+
+    def heal_registry_member(self, member: str) -> None:
+        namespace = self._registry().member(member).netns
+        if namespace and namespace in netns.list_namespaces():
+            netns.heal_partition(namespace)
+
     def expire_token_cache(self, ttl_s: float) -> int:
         password = read_secrets(self._state_dir).redis_password
         url = self.topology.redis_url
@@ -162,6 +217,53 @@ class EmbeddedTarget(Target):
             for worker in node.workers:
                 total += _metric(worker.url + "/metrics", "vllm:num_requests_waiting")
         return total
+
+    def replicas(self) -> Replicas:
+        """Desired from the stack's replicas file (all GPU workers without an autoscaler),
+        ready by the GPU workers' /healthz, the bounds from the autoscaler's settings."""
+        topology = self.topology
+        gpus = [w for n in topology.nodes for w in n.workers if w.mode == "gpu"]
+        ready = self.healthy_workers("gpu")
+        if topology.replicas_path is None:
+            return Replicas(desired=len(gpus), ready=ready)
+        try:
+            desired = read_replicas(Path(topology.replicas_path)).get("gpu", 0)
+        except (OSError, ValueError) as exc:
+            raise StackError(f"{topology.replicas_path}: {exc}") from None
+        autoscaled = topology.autoscaler_pid is not None and pid_alive(topology.autoscaler_pid)
+        detail = ""
+        state = self._state_dir / "autoscaler-state.json"
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+            last = json.loads(state.read_text())["decisions"][-1]
+            detail = f"utilisation {last['utilization']}, {last['reason']}"
+        return Replicas(
+            desired=desired,
+            ready=ready,
+            min_replicas=self._autoscale_min(),
+            max_replicas=len(gpus),
+            autoscaled=autoscaled,
+            detail=detail,
+        )
+
+    def _autoscale_min(self) -> int | None:
+        try:
+            return int(
+                json.loads((self._state_dir / "autoscaler.json").read_text())["min_replicas"]
+            )
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def gateway_metric(self, name: str) -> float:
+        """Raises StackError when no gateway answered (a busy gateway's /metrics can take
+        longer than an engine's: 2 s each)."""
+        values = [
+            _metric_or_none(g.url + "/metrics", name, _GATEWAY_READ_TIMEOUT_S)
+            for g in self.topology.gateways
+        ]
+        answered = [v for v in values if v is not None]
+        if not answered:
+            raise StackError(f"no gateway answered /metrics for {name}")
+        return sum(answered)
 
     def kv_cache_usage(self) -> float | None:
         shares = [
@@ -209,12 +311,17 @@ class EmbeddedTarget(Target):
 
 
 def _metric(url: str, name: str) -> float:
-    """Sum of the samples of gauge `name` at `url`; 0 when the endpoint does not answer."""
+    """Sum of the samples called `name` at `url`; 0 when the endpoint does not answer."""
+    return _metric_or_none(url, name, _READ_TIMEOUT_S) or 0.0
+
+
+def _metric_or_none(url: str, name: str, timeout_s: float) -> float | None:
+    """Sum of the samples called `name` at `url`; None when the endpoint does not answer."""
     try:
-        with urllib.request.urlopen(url, timeout=_READ_TIMEOUT_S) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             text = response.read().decode()
     except (OSError, urllib.error.URLError):
-        return 0.0
+        return None
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -137,6 +137,7 @@ class Cluster:
         self._core = k8s.CoreV1Api(self._api)
         self._apps = k8s.AppsV1Api(self._api)
         self._net = k8s.NetworkingV1Api(self._api)
+        self._autoscaling = k8s.AutoscalingV2Api(self._api)
         # kubernetes.stream swaps call_api on the client it is given: exec gets a client of
         # its own (and a lock), so reads running in other threads are not sent over WebSocket.
         self._exec_core = k8s.CoreV1Api(k8s.ApiClient(self._api.configuration))

@@ -49,6 +49,12 @@ class KubernetesSettings(TargetSettings):
     """Label selector of the Redis pod holding the token cache (deploy/20-redis.yaml)."""
     gateway_deployment: str = "gateway"
     """Deployment of the gateways: restore_gateway waits until it is fully ready again."""
+    gpu_deployment: str = "vllm-gpu"
+    """Deployment of the GPU inference pods (deploy/30-vllm-gpu.yaml): `replicas()` reads its
+    spec.replicas (what the HPA asked) and ready pods."""
+    gpu_hpa: str = "vllm-gpu"
+    """HorizontalPodAutoscaler of the GPU Deployment (deploy/60-hpa.yaml): its bounds and
+    status; a pool without one is not autoscaled."""
     gateway_url: str = "http://gateway.llmchaos.svc.cluster.local:8000"
     """Base URL the load sends to: the gateway Service seen from inside the cluster (where the
     Locust workers of deploy/70-locust.yaml run). From outside, an ingress or port-forward URL."""

@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmchaos.errors import ComponentNotReady, InvalidInput, StackError
 from llmchaos.redact import redact_text
-from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.targets import Replicas, Target, TargetInfo, WorkerRef
 from llmchaos.targets.cache import expire_keys
 from llmchaos.targets.kubernetes.cluster import http_status, node_of, pod_ready
 from llmchaos.targets.kubernetes.load_workers import LoadWorkers
@@ -293,6 +293,32 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
                 )
             time.sleep(self.settings.poll_interval_s)
 
+    def replicas(self) -> Replicas:
+        """The GPU Deployment's spec.replicas (what the HPA, or anyone, asked) and its Ready
+        pods, with the HPA's bounds and what its status says (autoscaling/v2). A pool
+        without an HPA (404) is not autoscaled."""
+        deployment = self._deployment(self.settings.gpu_deployment, "gpu_deployment")
+        desired = deployment.spec.replicas if deployment.spec.replicas is not None else 1
+        ready = sum(1 for p in self._role_pods("gpu") if pod_ready(p))
+        hpa = self._call(
+            "read",
+            f"horizontalpodautoscaler {self.namespace}/{self.settings.gpu_hpa}",
+            self._autoscaling.read_namespaced_horizontal_pod_autoscaler,
+            self.settings.gpu_hpa,
+            self.namespace,
+            missing_ok=True,
+        )
+        if hpa is None:
+            return Replicas(desired=desired, ready=ready, detail="no HorizontalPodAutoscaler")
+        return Replicas(
+            desired=desired,
+            ready=ready,
+            min_replicas=hpa.spec.min_replicas if hpa.spec.min_replicas is not None else 1,
+            max_replicas=hpa.spec.max_replicas,
+            autoscaled=True,
+            detail=_hpa_detail(hpa),
+        )
+
     def _deployment(self, name: str, field: str) -> Any:
         return self._call(
             "read",
@@ -416,6 +442,22 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
         return sum(
             1 for m, pod in self._inference_pods() if (not mode or m == mode) and pod_ready(pod)
         )
+
+
+def _hpa_detail(hpa: Any) -> str:
+    """What an HPA's status says: its desired count and its conditions that are not True
+    (FailedGetPodsMetric without a metrics API, ...)."""
+    status = hpa.status
+    if status is None or not status.conditions:  # a controller always sets AbleToScale
+        return "the HPA has no status yet (no HPA controller has acted on it)"
+    problems = [
+        f"{c.type}={c.status} ({c.reason}: {c.message})"
+        for c in status.conditions or []
+        if c.status != "True"
+    ]
+    return f"HPA desires {status.desired_replicas}" + (
+        f"; {'; '.join(problems)}" if problems else ""
+    )
 
 
 def _embedded_aliases(
