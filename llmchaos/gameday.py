@@ -57,6 +57,11 @@ ALLURE_CATEGORIES = [
         "messageRegex": "negative control passed[\\s\\S]*",
     },
     {
+        "name": "fault not in effect (the run tested nothing)",
+        "matchedStatuses": ["failed"],
+        "messageRegex": "fault not in effect[\\s\\S]*",
+    },
+    {
         "name": "target unavailable",
         "matchedStatuses": ["failed", "broken"],
         "messageRegex": "target unavailable[\\s\\S]*",

@@ -18,7 +18,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["Owner", "OwnerKind", "find_marked", "pid_alive", "start_ticks", "stop_pids"]
+__all__ = [
+    "Owner",
+    "OwnerKind",
+    "find_marked",
+    "pid_alive",
+    "process_state",
+    "start_ticks",
+    "stop_pids",
+]
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's state letter of process `pid` (R running, S sleeping, T stopped by a
+    signal, Z zombie, ...: proc(5)); None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def start_ticks(pid: int) -> int | None:

@@ -30,6 +30,7 @@ from chaoslib.experiment import ensure_experiment_is_valid
 
 from llmchaos.errors import InvalidInput
 from llmchaos.experiment_file import read_experiment
+from llmchaos.faults import DIRECTIONS
 from llmchaos.run import planned_target
 from llmchaos.settings import ERROR_CLASSES, RunSettings, argument_ranges, as_number
 from llmchaos.targets import TargetInfo, target_kind
@@ -152,12 +153,18 @@ def _argument_checks(info: TargetInfo, settings: RunSettings) -> dict[str, Calla
         if value not in ("", "gpu", "cpu"):
             raise InvalidInput("expected gpu, cpu or empty")
 
+    def direction(value: Any) -> None:
+        if value not in DIRECTIONS:
+            raise InvalidInput(f"expected one of {', '.join(DIRECTIONS)}")
+
     return {
         **{name: in_range(name) for name in ranges},
         "node": info.check_node,
         "gateway": info.gateway_names,
+        "part": info.part_name,
         "mode": mode,
         "classes": classes,
+        "direction": direction,
     }
 
 
@@ -236,6 +243,13 @@ def _check_activity(
             info.gpu_workers(str(given.get("worker", "")), str(given.get("node", "")))
         except InvalidInput as exc:
             problems.append(f"{place}.arguments: {exc}")
+    if func_name in info.unsupported:
+        problems.append(
+            f"{place}: {func_name} cannot run on this target: {info.unsupported[func_name]}"
+        )
+    delay_reason = info.unsupported.get(f"{func_name}:delay_ms")
+    if delay_reason and any(as_number("", given.get(k, 0) or 0) for k in ("delay_ms", "jitter_ms")):
+        problems.append(f"{place}.arguments.delay_ms: {delay_reason}")
     if func_name == "drain_node" and not info.drains_supported:
         problems.append(f"{place}: drain_node needs a target with nodes to drain (a cluster)")
     if func_name == "partition_node" and not info.partitions_supported:

@@ -124,8 +124,22 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
     source = "probe" if recovery_time is not None else None
     if recovery_time is None and rec is not None and rec.recovered:
         recovery_time, source = rec.recovery_time_s, "timeline"
-    verdict, reasons = verdict_of(journal, facts.guard, facts.interrupted_because)
     origin = facts.load_start_ts or (records[0].ts if records else facts.started_at)
+    faults = [
+        {
+            "fault": f.fault,
+            "target": f.target,
+            "at": f.at,
+            "at_s": round(f.at - origin, 3),
+            "state": f.state,
+            "details": f.details,
+            "error": f.error,
+            "in_effect": f.in_effect,
+            "evidence": f.evidence,
+        }
+        for f in facts.faults
+    ]
+    verdict, reasons = verdict_of(journal, facts.guard, facts.interrupted_because, faults)
     result = RunResult(
         experiment=facts.name,
         title=facts.title,
@@ -164,18 +178,7 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
             "window_s": s.window_s,
             "stable_for_s": s.stable_for_s,
         },
-        faults=[
-            {
-                "fault": f.fault,
-                "target": f.target,
-                "at": f.at,
-                "at_s": round(f.at - origin, 3),
-                "state": f.state,
-                "details": f.details,
-                "error": f.error,
-            }
-            for f in facts.faults
-        ],
+        faults=faults,
         load=facts.load_summary,
         load_start_ts=facts.load_start_ts,
         started_at=facts.started_at,

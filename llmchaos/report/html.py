@@ -101,6 +101,10 @@ def _load_table(load: dict[str, Any] | None) -> str:
     return f"<p>{html.escape(rates)}</p><table>{head}</tr>{rows}</table>"
 
 
+_IN_EFFECT = {True: "yes", False: '<span class="badge fail">NO</span>', None: "not checked"}
+"""How the faults table says whether the check after the injection saw the fault in effect."""
+
+
 def _cell(value: Any) -> str:
     return (
         "-"
@@ -152,7 +156,9 @@ def render_html(
     )
     faults = "".join(
         f"<tr><td>{f['at_s']:.1f} s</td><td>{html.escape(f['fault'])}</td>"
-        f"<td>{html.escape(f['target'])}</td><td>{html.escape(f['state'])}</td></tr>"
+        f"<td>{html.escape(f['target'])}</td><td>{html.escape(f['state'])}</td>"
+        f"<td>{_IN_EFFECT[f.get('in_effect')]}</td>"
+        f"<td>{html.escape(f.get('evidence') or '-')}</td></tr>"
         for f in r.faults
     )
     reasons = "".join(f"<li>{html.escape(reason)}</li>" for reason in r.reasons)
@@ -181,7 +187,8 @@ def render_html(
 <h2>Load</h2>
 {_load_table(r.load)}
 <h2>Faults</h2>
-<table><tr><th>at</th><th>fault</th><th>target</th><th>state</th></tr>{faults}</table>
+<table><tr><th>at</th><th>fault</th><th>target</th><th>state</th><th>in effect</th>
+<th>evidence</th></tr>{faults}</table>
 {_recovery_table(r.target_recovery)}
 <h2>Steady-state probes</h2>
 {_probe_rows(journal, settings)}

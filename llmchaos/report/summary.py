@@ -3,8 +3,10 @@
 The verdict follows Chaos Toolkit's own outcome, made strict: a run passes only when the
 journal is `completed`, did not deviate, met the steady state *before* the method (Chaos
 Toolkit skips the method and exits 0 otherwise), every activity of the method succeeded (a
-fault that failed to go in proves nothing, and Chaos Toolkit still says `completed`), and the
-safety guard did not abort it.
+fault that failed to go in proves nothing, and Chaos Toolkit still says `completed`), every
+fault was seen in effect after it went in ("fault not in effect: <evidence>" otherwise: a
+fault that silently did nothing proves nothing either), and the safety guard did not abort
+it.
 The figures come from the load's timeline (post-run analysis), except the recovery time,
 which is the recovery probe's output when the experiment has one (what the tolerance judged).
 """
@@ -159,10 +161,19 @@ def hypothesis_outcome(journal: dict[str, Any] | None, phase: str) -> tuple[bool
 
 
 def verdict_of(
-    journal: dict[str, Any] | None, guard: str | None, interrupted_because: str | None = None
+    journal: dict[str, Any] | None,
+    guard: str | None,
+    interrupted_because: str | None = None,
+    faults: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[str]]:
-    """pass/fail and the reasons; see the module docstring."""
+    """pass/fail and the reasons; see the module docstring. `faults` as summary.json lists
+    them (with "in_effect" and "evidence" from the ledger)."""
     reasons = [interrupted_because] if interrupted_because else []
+    for fault in faults or []:
+        if fault.get("in_effect") is False:
+            reasons.append(
+                f"fault not in effect: {fault['fault']}({fault['target']}): {fault['evidence']}"
+            )
     if journal is None:
         reasons.append("the experiment did not run to its end (no journal)")
     else:

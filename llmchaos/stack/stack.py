@@ -269,6 +269,7 @@ def _start_nodes(
     config: StackConfig, stack_id: str, owner: Owner, state_dir: Path, with_netns: bool
 ) -> list[NodeInfo]:
     subnet = netns.pick_subnet() if with_netns else None
+    variant = get_variant(config.variant)
     short_id = stack_id[-4:]
     nodes = []
     for index, (node, workers) in enumerate(node_layout(config)):
@@ -280,7 +281,7 @@ def _start_nodes(
         infos = []
         for worker_index, (name, mode) in enumerate(workers):
             port = WORKER_PORT + worker_index if net else free_port()
-            base = GPU_PROFILE if mode == "gpu" else CPU_PROFILE
+            base = variant.gpu_profile(GPU_PROFILE) if mode == "gpu" else CPU_PROFILE
             load_s = config.gpu_load_s if mode == "gpu" else config.cpu_load_s
             settings = WorkerSettings(
                 name=name,

@@ -93,6 +93,33 @@ def test_a_fault_that_cannot_be_injected_fails_the_verdict(
     )
 
 
+def test_a_fault_that_did_nothing_fails_the_verdict(
+    fake_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kill goes in without an error and changes nothing, so the SLO holds: only the
+    check after the injection tells, and the verdict fails with its evidence."""
+    monkeypatch.setenv("LLMCHAOS_FAKE_INEFFECTIVE", "true")
+    journal, summary, target = _run(GPU_KILL, fake_run["runs"])
+    assert journal["status"] == "completed" and not journal["deviated"]
+    assert target.calls == [("kill_gpu_process", {"worker": "gpu-0"})]
+    assert summary["verdict"] == "fail"
+    assert summary["reasons"] == ["fault not in effect: kill_gpu_process(gpu-0): killed at None"], (
+        summary["reasons"]
+    )
+    (fault,) = summary["faults"]
+    assert fault["in_effect"] is False and fault["evidence"] == "killed at None"
+    ledger = Path(summary["run_dir"], "ledger.jsonl").read_text()
+    assert '"event": "verified"' in ledger and '"in_effect": false' in ledger
+
+
+def test_a_fault_in_effect_keeps_its_evidence(fake_run: dict[str, Any]) -> None:
+    _, summary, _ = _run(NODE_PARTITION, fake_run["runs"])
+    (fault,) = summary["faults"]
+    assert fault["in_effect"] is True
+    assert fault["evidence"] == "partitioned: ['node-a']"
+    assert not any(r.startswith("fault not in effect") for r in summary["reasons"])
+
+
 def test_an_unhealthy_target_is_not_broken_further(
     fake_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

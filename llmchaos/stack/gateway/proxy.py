@@ -102,7 +102,7 @@ class Proxy:
             try:
                 response = await self._attempt(request, worker, path, body, headers, stream)
             except _AttemptFailed as exc:
-                self._pool.eject(worker, exc.reason)
+                self._pool.eject(worker, exc.reason, answered=exc.response is not None)
                 self._metrics.upstream_failures.labels(worker=worker.name, reason=exc.reason).inc()
                 failure = exc
                 continue
@@ -180,7 +180,7 @@ class Proxy:
                 reason = _failure_reason(exc)
                 self._metrics.broken_streams.inc()
                 self._metrics.upstream_failures.labels(worker=worker.name, reason=reason).inc()
-                self._pool.eject(worker, f"stream broken: {reason}")
+                self._pool.eject(worker, f"stream broken: {reason}", answered=True)
                 if request.transport is not None:
                     # no final chunk: the client must see a broken stream, not a short one
                     request.transport.close()

@@ -11,24 +11,31 @@ pid, and the topology file is where that is written.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmchaos.errors import InvalidInput, StackError
+from llmchaos.ledger import Verification
 from llmchaos.processes import pid_alive
-from llmchaos.stack import netns
+from llmchaos.stack import cgroups, tc
+from llmchaos.stack.agent import AgentSettings
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import http_get_status
+from llmchaos.stack.settings import load_settings
 from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
 from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
 from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.targets.embedded.gpu import GpuFaults
+from llmchaos.targets.embedded.network import NetworkFaults
+from llmchaos.targets.embedded.processes import ProcessFaults
+from llmchaos.targets.embedded.resources import ResourceFaults
 
 __all__ = ["EmbeddedTarget", "planned_info"]
 
@@ -39,6 +46,7 @@ _READ_TIMEOUT_S = 0.5
 def planned_info(config: StackConfig) -> TargetInfo:
     """The names a stack started from `config` will have, known before starting it."""
     roles = ("primary", "backup") if get_variant(config.variant).backup_gateway else ("primary",)
+    with_netns = use_netns(config)
     return TargetInfo(
         nodes=tuple(node for node, _ in node_layout(config)),
         workers=tuple(
@@ -47,16 +55,32 @@ def planned_info(config: StackConfig) -> TargetInfo:
             for worker, mode in workers
         ),
         gateways=tuple(f"gateway-{role}" for role in roles),
-        partitions_supported=use_netns(config),
+        partitions_supported=with_netns,
+        unsupported=_unsupported(with_netns),
     )
 
 
-class EmbeddedTarget(Target):
+def _unsupported(with_netns: bool) -> dict[str, str]:
+    """What this machine cannot do to the embedded stack, and why (see TargetInfo)."""
+    unsupported = {}
+    for fault, controller in (("throttle_cpu", "cpu"), ("oom_kill_worker", "memory")):
+        reason = cgroups.support(controller)
+        if reason is not None:
+            unsupported[fault] = reason
+    if not with_netns:
+        unsupported["degrade_network"] = "nodes are not network namespaces here (needs root)"
+    elif (reason := tc.netem_support()) is not None:
+        unsupported["degrade_network:delay_ms"] = reason
+    return unsupported
+
+
+class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Target):
     """A running embedded stack, known by its state folder."""
 
     def __init__(self, topology: Topology) -> None:
         self._state_dir = Path(topology.state_dir)
         self._topology = topology
+        self._token_snapshot: tuple[float, dict[bytes, int]] = (0.0, {})
 
     def close(self) -> None:
         """Stop the whole stack; safe to call twice."""
@@ -82,6 +106,7 @@ class EmbeddedTarget(Target):
             ),
             gateways=tuple(g.name for g in topology.gateways),
             partitions_supported=all(n.netns for n in topology.nodes),
+            unsupported=_unsupported(all(n.netns for n in topology.nodes)),
         )
 
     @property
@@ -93,42 +118,6 @@ class EmbeddedTarget(Target):
         return self._topology.tokens_file
 
     # -- faults --------------------------------------------------------------------------
-    def kill_gpu_process(self, worker: str) -> dict[str, Any]:
-        """Read the pid holding the worker's GPU from its /gpu/processes, then SIGKILL it.
-
-        Raises StackError when the worker does not answer (dead, loading, partitioned).
-        """
-        url = self.topology.worker(worker).url + "/gpu/processes"
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as response:
-                processes = json.loads(response.read())
-        except (OSError, ValueError) as exc:
-            raise StackError(f"{worker}: cannot read {url}: {exc}") from None
-        if not isinstance(processes, list) or not processes:
-            raise StackError(f"{worker}: no process holds its GPU ({url} lists none)")
-        pid = int(processes[0]["pid"])
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            raise StackError(f"{worker}: GPU process {pid} was already gone") from None
-        return {"worker": worker, "pid": pid, "process_name": processes[0].get("process_name")}
-
-    def _netns_of(self, node: str) -> str:
-        name = self.topology.node(node).netns
-        if not name:
-            raise InvalidInput(
-                f"node {node!r} is not a network namespace: partitions need root (netns auto or on)"
-            )
-        return name
-
-    def partition_node(self, node: str) -> None:
-        netns.partition_namespace(self._netns_of(node))
-
-    def heal_partition(self, node: str) -> None:
-        namespace = self.topology.node(node).netns
-        if namespace and namespace in netns.list_namespaces():
-            netns.heal_partition(namespace)
-
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
         info = self._gateway(gateway)
         if not pid_alive(info.pid):
@@ -146,7 +135,8 @@ class EmbeddedTarget(Target):
         known = ", ".join(g.name for g in self.topology.gateways)
         raise InvalidInput(f"gateway: unknown gateway {name!r}; gateways: {known}")
 
-    def expire_token_cache(self, ttl_s: float) -> int:
+    @contextlib.contextmanager
+    def _redis(self) -> Iterator[Any]:
         import redis
 
         password = read_secrets(self._state_dir).redis_password
@@ -154,31 +144,80 @@ class EmbeddedTarget(Target):
             self.topology.redis_url, password=password, socket_timeout=5.0
         )
         try:
-            keys = list(client.scan_iter("token:*", count=1000))
-            if not keys:
-                return 0
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                if ttl_s > 0:
-                    pipe.pexpire(key, max(1, int(ttl_s * 1000)))
-                else:
-                    pipe.delete(key)
-            pipe.execute()
+            yield client
         except redis.RedisError as exc:
             raise StackError(f"token cache {self.topology.redis_url}: {exc}") from None
         finally:
             client.close()
+
+    def expire_token_cache(self, ttl_s: float) -> int:
+        with self._redis() as client:
+            keys = list(client.scan_iter("token:*", count=1000))
+            # each key's TTL before, kept in memory only (the keys hold the tokens): the check
+            # tells a key that was deleted and cached again from one that was never touched
+            self._token_snapshot = (ttl_s, dict(zip(keys, _pttls(client, keys), strict=True)))
+            self._expire_keys(client, keys, ttl_s)
         return len(keys)
+
+    @staticmethod
+    def _expire_keys(client: Any, keys: list[bytes], ttl_s: float) -> None:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            if ttl_s > 0:
+                pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+            else:
+                pipe.delete(key)
+        pipe.execute()
+
+    def verify_expire_token_cache(self, details: dict[str, Any]) -> Verification:
+        """Each key touched: gone, or expiring within ttl_s, or cached again since (a TTL
+        longer than it had left before); a key whose TTL just kept counting down was not
+        touched."""
+        ttl_s, before = self._token_snapshot
+        if not before:
+            return Verification(True, "no token:* key was cached: nothing to expire")
+        keys = list(before)
+        with self._redis() as client:
+            now = dict(zip(keys, _pttls(client, keys), strict=True))
+        limit_ms = ttl_s * 1000 if ttl_s > 0 else 0
+        gone = sum(1 for k in keys if now[k] == -2 or (limit_ms and 0 <= now[k] <= limit_ms))
+        again = sum(1 for k in keys if now[k] > before[k] > 0 and now[k] > limit_ms)
+        untouched = len(keys) - gone - again
+        what = "gone" if ttl_s == 0 else f"gone or expiring within {ttl_s:g} s"
+        return Verification(
+            untouched == 0,
+            f"{len(keys)} token:* keys: {gone} {what}, {again} cached again since, "
+            f"{untouched} untouched",
+        )
 
     # -- readings ------------------------------------------------------------------------
     def queue_depth(self) -> float:
         """Sum of vllm:num_requests_waiting over the workers that answer (a dead worker holds
         no queue; a partitioned one is unknown and left out)."""
-        total = 0.0
-        for node in self._topology.nodes:
-            for worker in node.workers:
-                total += _metric(worker.url + "/metrics", "vllm:num_requests_waiting")
-        return total
+        stats = self.engine_stats()
+        return stats["waiting"] if stats else 0.0
+
+    def engine_stats(self) -> dict[str, float] | None:
+        """vLLM's metrics over the workers that answer: the fullest KV cache, preemptions so
+        far and requests waiting, summed."""
+        names = ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total")
+        names += ("vllm:num_requests_waiting",)
+        read = [
+            _metrics(worker.url + "/metrics", names)
+            for node in self._topology.nodes
+            for worker in node.workers
+        ]
+        answered = [r for r in read if r is not None]
+        return {
+            "kv_cache_usage_max": max((r[names[0]] for r in answered), default=0.0),
+            "preemptions_total": sum(r[names[1]] for r in answered),
+            "waiting": sum(r[names[2]] for r in answered),
+        }
+
+    def _agent_restart_delay_s(self) -> float:
+        """How long the node agents wait before restarting a dead worker."""
+        path = Path(self._state_dir) / f"agent-{self.topology.nodes[0].name}.json"
+        return load_settings(AgentSettings, path).restart_delay_s
 
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
         """Each worker that died after `since_ts`, from its node agent (the kubelet here):
@@ -217,16 +256,24 @@ class EmbeddedTarget(Target):
         )
 
 
-def _metric(url: str, name: str) -> float:
-    """Sum of the samples of gauge `name` at `url`; 0 when the endpoint does not answer."""
+def _pttls(client: Any, keys: list[bytes]) -> list[int]:
+    """Each key's TTL in ms (-2: no such key, -1: no TTL), one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+    return [int(v) for v in pipe.execute()]
+
+
+def _metrics(url: str, names: tuple[str, ...]) -> dict[str, float] | None:
+    """Sum of the samples of each of `names` at `url`; None when it does not answer."""
     try:
         with urllib.request.urlopen(url, timeout=_READ_TIMEOUT_S) as response:
             text = response.read().decode()
     except (OSError, urllib.error.URLError):
-        return 0.0
-    total = 0.0
+        return None
+    totals = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name:
-                total += sample.value
-    return total
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals

@@ -42,7 +42,9 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmchaos.errors import ComponentNotReady, InvalidInput, StackError
+from llmchaos.ledger import Verification
 from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.targets.kubernetes.checks import NVIDIA_SMI, POLICY_TYPES, UNSUPPORTED, Checks
 from llmchaos.targets.kubernetes.cluster import http_status, node_of, pod_ready
 from llmchaos.targets.kubernetes.load_workers import LoadWorkers
 from llmchaos.targets.kubernetes.nodes import NodeFaults
@@ -55,7 +57,6 @@ log = logging.getLogger("llmchaos.targets.kubernetes")
 
 TOKEN_PATTERN = "token:*"
 """Keys of the gateways' token cache (the same as on the embedded stack)."""
-NVIDIA_SMI = ("nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader")
 _POLICY_PREFIX = "llmchaos-partition-"
 _REDIS_BATCH_CHARS = 4000
 """Characters of keys per redis-cli exec: the command travels in the exec URL's query, and
@@ -92,12 +93,12 @@ def _policy_name(node: str) -> str:
     return _POLICY_PREFIX + _partition_key(node)
 
 
-class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
+class KubernetesTarget(Checks, NodeFaults, LoadWorkers, Recovery, Target):
     """The inference stack in one namespace of a cluster; see the module docstring.""" ""
 
     UNDO_OPS: ClassVar[frozenset[str]] = Target.UNDO_OPS | {"uncordon_node", "stop_load_workers"}
-    """heal_partition, restore_gateway, uncordon_node (undoes cordon_node/drain_node) and
-    stop_load_workers (undoes start_load_workers)."""
+    """The door's (heal_partition, restore_gateway, resume_gpu_process, ...), uncordon_node
+    (undoes cordon_node/drain_node) and stop_load_workers (undoes start_load_workers)."""
 
     # -- Backend: names ------------------------------------------------------------------
     def info(self) -> TargetInfo:
@@ -116,6 +117,7 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
             partitions_supported=True,
             drains_supported=True,
             aliases=_embedded_aliases(workers, sorted(nodes), gateway_names),
+            unsupported=dict(UNSUPPORTED),
         )
 
     @property
@@ -143,7 +145,8 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
                 f"{', '.join(gpu_pods) or 'none'}"
             )
         node = node_of(gpu_pods[worker])
-        base = {"worker": worker, "pod": worker, "node": node}
+        uid = gpu_pods[worker].metadata.uid
+        base = {"worker": worker, "pod": worker, "node": node, "uid": uid}
         if self.settings.dry_run:
             return self._plan(
                 "kill_gpu_process",
@@ -175,9 +178,10 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
         self._delete_pod(base["pod"], "worker")
         return {**base, "deleted_pod": base["pod"], "reason": reason}
 
-    def partition_node(self, node: str) -> None:
-        """Cut the namespace's pods on `node` off: label them and apply a deny-all ingress and
-        egress NetworkPolicy selecting that label. Idempotent.
+    def partition_node(self, node: str, direction: str = "both") -> None:
+        """Cut the namespace's pods on `node` off: label them and apply a deny-all
+        NetworkPolicy selecting that label, of ingress and egress ("both"), or of one of them
+        (a one-way partition). Idempotent.
 
         Pods created on the node afterwards are not labelled (a NetworkPolicy cannot select
         by node); a partition is a short fault and rescheduled pods go elsewhere anyway.
@@ -200,10 +204,10 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
                 "labels": dict(MANAGED_BY),
                 "annotations": {"llmchaos.io/node": node},
             },
-            # No ingress or egress rules with both policy types: all traffic is denied.
+            # No rules for a policy type: all of its traffic is denied.
             "spec": {
                 "podSelector": {"matchLabels": {self.settings.partition_label: key}},
-                "policyTypes": ["Ingress", "Egress"],
+                "policyTypes": POLICY_TYPES[direction],
             },
         }
         if self.settings.dry_run:
@@ -258,6 +262,30 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
         for pod in pods:
             self._patch_labels(pod, {label: None})
 
+    def verify_partition_node(self, details: dict[str, Any]) -> Verification:
+        """The NetworkPolicy present, of the direction asked, selecting labelled pods."""
+        node, direction = str(details["node"]), str(details.get("direction", "both"))
+        name, key = _policy_name(node), _partition_key(node)
+        policies = self._net.list_namespaced_network_policy(
+            self.namespace, _request_timeout=self.settings.request_timeout_s
+        ).items
+        policy = next((p for p in policies if p.metadata.name == name), None)
+        if policy is None:
+            return Verification(False, f"no NetworkPolicy {name} in {self.namespace}")
+        label = self.settings.partition_label
+        selected = [
+            p.metadata.name
+            for p in self._list_pods()
+            if (p.metadata.labels or {}).get(label) == key and node_of(p) == node
+        ]
+        types = sorted(policy.spec.policy_types or [])
+        return Verification(
+            bool(selected) and types == sorted(POLICY_TYPES[direction]),
+            f"NetworkPolicy {name} ({'/'.join(types)}) selects {len(selected)} pod(s) on "
+            f"{node}: {', '.join(selected) or 'none'}; whether the CNI enforces it is not "
+            "visible through the API",
+        )
+
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
         """Delete the gateway pod with grace period 0; returns {"gateway", "pod", "node",
         "deleted_pod"} (no pid: the process is the container's)."""
@@ -268,7 +296,12 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
                 f"(gateway_selector {self.settings.gateway_selector!r}); gateway pods: "
                 f"{', '.join(pods) or 'none'}"
             )
-        result = {"gateway": gateway, "pod": gateway, "node": node_of(pods[gateway])}
+        result = {
+            "gateway": gateway,
+            "pod": gateway,
+            "node": node_of(pods[gateway]),
+            "uid": pods[gateway].metadata.uid,
+        }
         if self.settings.dry_run:
             return self._plan(
                 "crash_gateway", **result, steps=[f"delete {self._pod_ref(gateway)} grace 0"]
@@ -388,6 +421,36 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
                     f"{' '.join(answer)[:200]!r}, expected a count"
                 ) from None
         return touched
+
+    def verify_expire_token_cache(self, details: dict[str, Any]) -> Verification:
+        """Deleted: fewer token keys now than were deleted (the load caches some again at
+        once, never all). Expiring later: not checkable now (None)."""
+        if details.get("ttl_s"):
+            return Verification(None, "keys set to expire later: not checked on a cluster")
+        before = int(details.get("keys") or 0)
+        now = self._token_key_count()
+        return Verification(
+            before == 0 or now < before, f"{before} token:* keys deleted, {now} cached now"
+        )
+
+    def _token_key_count(self) -> int:
+        if self.settings.redis_url:
+            import redis
+
+            url = self.settings.redis_url
+            client = redis.Redis.from_url(url, socket_timeout=self.settings.request_timeout_s)
+            try:
+                return sum(1 for _ in client.scan_iter(TOKEN_PATTERN, count=1000))
+            except redis.RedisError as exc:
+                raise StackError(f"token cache {url} (redis_url): {exc}") from None
+            finally:
+                client.close()
+        ready = [p for p in self._role_pods("redis") if pod_ready(p)]
+        if not ready:
+            raise StackError(f"kubernetes: no ready Redis pod in namespace {self.namespace}")
+        cli = list(self.settings.redis_cli)
+        listed = self._exec(ready[0].metadata.name, [*cli, "--scan", "--pattern", TOKEN_PATTERN])
+        return len({line.strip() for line in listed.splitlines() if line.strip()})
 
     # -- Backend: readings ---------------------------------------------------------------
     def queue_depth(self) -> float:
