@@ -37,6 +37,7 @@ __all__ = [
     "tpot_p99_ms",
     "ttft_p99_ms",
     "window_error_rate",
+    "worker_share_after_fault",
     "worst_p99_ms_since_fault",
 ]
 
@@ -238,3 +239,39 @@ def worst_p99_ms_since_fault(run: ChaosRun) -> float:
     s = run.settings
     windows = rolling_windows(_records_since(run, fault_ts), slo(run), s.window_s)
     return max((w.p99_ms or 0.0 for w in windows), default=0.0)
+
+
+def worker_share_after_fault(run: ChaosRun, worker: str, window_s: float = 0.0) -> float:
+    """Share of the requests the GPU workers took over the next `window_s` seconds (the run's
+    window by default) that `worker` took: did routing shift load away from it? From the
+    engines' own metrics: finished (vllm:request_success) plus in the engine (running and
+    waiting), whose difference over the window counts arrivals even when an engine falls
+    behind. 0 before any fault (nothing to judge yet), so it can sit in the steady-state
+    hypothesis."""
+    window_s = as_number("window_s", window_s) or run.settings.window_s
+    if window_s < 0:
+        raise InvalidInput(f"window_s: expected seconds >= 0, got {window_s}")
+    info = run.target.info()
+    (name,) = info.gpu_workers(worker, "")
+    if run.last_fault_ts() is None:
+        return 0.0
+    gpus = {w.name for w in info.workers if w.mode == "gpu"}
+    before = run.target.requests_taken()
+    if before is None:
+        raise InvalidInput(
+            f"worker_share_after_fault: the {run.settings.target} target "
+            "cannot read its engines' request counters"
+        )
+    time.sleep(window_s)
+    after = run.target.requests_taken() or {}
+    done = {w: after.get(w, 0.0) - before.get(w, after.get(w, 0.0)) for w in gpus}
+    total = sum(max(0.0, n) for n in done.values())
+    share = max(0.0, done.get(name, 0.0)) / total if total else 0.0
+    log.info(
+        "llmchaos: %s finished %.0f of %.0f GPU requests in %g s",
+        name,
+        done.get(name, 0.0),
+        total,
+        window_s,
+    )
+    return round(share, 4)

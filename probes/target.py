@@ -5,7 +5,13 @@ from __future__ import annotations
 from llmchaos import measure
 from llmchaos.run import current_run
 
-__all__ = ["healthy_workers", "queue_depth", "served_in_mode_since_fault", "serving_mode_share"]
+__all__ = [
+    "healthy_workers",
+    "queue_depth",
+    "served_in_mode_since_fault",
+    "serving_mode_share",
+    "worker_share_after_fault",
+]
 
 
 def queue_depth() -> float:
@@ -29,3 +35,11 @@ def served_in_mode_since_fault(mode: str = "cpu", min_share: float = 0.01) -> bo
 def healthy_workers(mode: str = "") -> int:
     """Workers answering ready now, of `mode` (gpu, cpu; empty = any)."""
     return measure.healthy_workers(current_run(), mode)
+
+
+def worker_share_after_fault(worker: str, window_s: float = 0.0) -> float:
+    """Share of the requests the GPU workers' engines took over the next `window_s` seconds
+    that `worker` took (finished plus in the engine, from vLLM's metrics): did routing shift
+    load away from a slow worker? 0 before any fault, so it can sit in the steady-state
+    hypothesis."""
+    return measure.worker_share_after_fault(current_run(), worker, window_s)

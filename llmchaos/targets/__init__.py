@@ -366,6 +366,12 @@ class Target(ABC):
     def healthy_workers(self, mode: str = "") -> int:
         """Workers answering ready, of `mode` (gpu, cpu; "" = any)."""
 
+    def requests_taken(self) -> dict[str, float] | None:
+        """Requests each worker's engine has taken so far, by worker name: those it finished
+        (vLLM's vllm:request_success) plus those in it now (running and waiting); None when
+        the target cannot read them."""
+        return None
+
     def engine_stats(self) -> dict[str, float] | None:
         """The engines' KV-cache pressure now: {"kv_cache_usage_max" (0..1, the fullest
         engine), "preemptions_total", "waiting"} from vLLM's metrics; None when the target

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 
 __all__ = ["GpuFaults"]
 
-_PROBE_TIMEOUT_S = 10.0
-"""One check request straight to the worker: long enough for a step ten times slower."""
-_STEP_PROBE_TOKENS = (2, 12)
+_PROBE_TIMEOUT_S = 20.0
+"""One check request straight to the worker: long enough for steps ten times slower behind a
+batch that grew meanwhile."""
+_STEP_PROBE_TOKENS = (2, 6)
 """The check times two plain requests of these lengths; the difference over the extra tokens
 is the decode step, free of the API overhead and the prefill."""
 

@@ -214,6 +214,17 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
             "waiting": sum(r[names[2]] for r in answered),
         }
 
+    def requests_taken(self) -> dict[str, float] | None:
+        """Of each worker that answers (absent: it does not)."""
+        names = ("vllm:request_success_total", "vllm:num_requests_running")
+        names += ("vllm:num_requests_waiting",)
+        read = {
+            worker.name: _metrics(worker.url + "/metrics", names)
+            for node in self._topology.nodes
+            for worker in node.workers
+        }
+        return {worker: sum(r.values()) for worker, r in read.items() if r is not None}
+
     def _agent_restart_delay_s(self) -> float:
         """How long the node agents wait before restarting a dead worker."""
         path = Path(self._state_dir) / f"agent-{self.topology.nodes[0].name}.json"
