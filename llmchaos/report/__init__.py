@@ -24,6 +24,7 @@ from llmchaos.analysis import (
     read_timeline,
     recovery,
     rolling_windows,
+    tenant_latency,
 )
 from llmchaos.files import write_json_atomic, write_text_atomic
 from llmchaos.ledger import FaultEntry
@@ -187,6 +188,12 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
         notes=list(facts.notes),
         rebuilt=facts.rebuilt,
         target_recovery=facts.target_recovery,
+        tenants={
+            "whole_run": tenant_latency(records),
+            "since_fault": tenant_latency(records, min(fault_times)) if fault_times else {},
+        }
+        if records
+        else None,
     )
     run_dir = facts.run_dir
     if journal is not None:

@@ -136,6 +136,27 @@ def _recovery_table(facts: dict[str, Any] | None) -> str:
     )
 
 
+def _tenant_table(tenants: dict[str, Any] | None) -> str:
+    """Each tenant's P50/P99 over the whole run and since the fault (jitter attribution)."""
+    whole = (tenants or {}).get("whole_run") or {}
+    if not whole:
+        return ""
+    since = (tenants or {}).get("since_fault") or {}
+    rows = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{v['requests']}</td>"
+        f"<td>{_cell(v['p50_ms'])}</td><td>{_cell(v['p99_ms'])}</td>"
+        f"<td>{_cell((since.get(name) or {}).get('requests'))}</td>"
+        f"<td>{_cell((since.get(name) or {}).get('p99_ms'))}</td></tr>"
+        for name, v in whole.items()
+    )
+    return (
+        "<h2>Tenants</h2><p class=muted>End-to-end latency by tenant (ms, from the scheduled "
+        "send time): whose requests the fault hurt.</p><table><tr><th>tenant</th>"
+        "<th>requests</th><th>p50</th><th>p99</th><th>requests since fault</th>"
+        f"<th>p99 since fault</th></tr>{rows}</table>"
+    )
+
+
 def render_html(
     result: RunResult,
     journal: dict[str, Any] | None,
@@ -190,6 +211,7 @@ def render_html(
 <table><tr><th>at</th><th>fault</th><th>target</th><th>state</th><th>in effect</th>
 <th>evidence</th></tr>{faults}</table>
 {_recovery_table(r.target_recovery)}
+{_tenant_table(r.tenants)}
 <h2>Steady-state probes</h2>
 {_probe_rows(journal, settings)}
 {f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}

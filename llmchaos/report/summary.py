@@ -75,6 +75,9 @@ class RunResult:
     rebuilt: str | None = None
     """"rebuilt after the run was killed at <phase>" when `llmchaos cleanup` wrote this
     report from the run folder, after the run itself could not."""
+    tenants: dict[str, Any] | None = None
+    """Per-tenant latency (seed: jitter attributed by tenant): {"whole_run": {tenant:
+    {"requests", "p50_ms", "p99_ms"}}, "since_fault": {...}} from the load's timeline."""
     target_recovery: dict[str, Any] | None = None
     """The target's own account of the recovery, in Krkn's terms: {"recovered": [{"name",
     "node", "rescheduling_time_s", "readiness_time_s", "total_recovery_time_s"}],
@@ -110,7 +113,18 @@ class RunResult:
             ("frame drops", _fmt(self.frame_drops)),
             ("CPU mode", _fmt(self.cpu_mode_s, " s") + f", {_fmt(self.cpu_answers)} CPU answers"),
             ("back on GPU after", _fmt(self.gpu_return_s, " s")),
+            ("worst tenant p99", self._worst_tenant()),
         ]
+
+    def _worst_tenant(self) -> str:
+        """The tenant with the highest P99 since the fault (the whole run when no fault)."""
+        by_tenant = (self.tenants or {}).get("since_fault") or (self.tenants or {}).get("whole_run")
+        ranked = [(v["p99_ms"], t) for t, v in (by_tenant or {}).items() if v["p99_ms"]]
+        if not ranked:
+            return "-"
+        p99_ms, tenant = max(ranked)
+        spread = min(p for p, _ in ranked)
+        return f"{p99_ms:.0f} ms ({tenant}; best tenant {spread:.0f} ms)"
 
     def table(self) -> str:
         """A short plain-text table for the terminal."""
