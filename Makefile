@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NODE_STAMP := node_modules/.installed-stamp
 
-.PHONY: setup system-deps demo test gameday lint bench clean k8s-bin
+.PHONY: setup system-deps litellm demo test gameday lint bench clean k8s-bin
 
-setup: system-deps $(STAMP) $(NODE_STAMP)
+setup: system-deps $(STAMP) $(NODE_STAMP) litellm
 
 system-deps:
 	@scripts/install-system-deps.sh
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
+
+# LiteLLM proxy for the hosts target's example, in its own venv .venv-litellm/ (it cannot share
+# .venv: scripts/litellm-requirements.txt says why); does nothing when it is installed.
+litellm:
+	@PYTHON=$(PYTHON) scripts/install-litellm.sh
 
 # Allure 3 for the game-day report, exactly as package-lock.json pins it.
 $(NODE_STAMP): package-lock.json

@@ -78,9 +78,7 @@ def partition_node(run: ChaosRun, node: str, direction: str = "both") -> str:
     real = info.node_name(node)
     _check_direction(direction)
     if not info.partitions_supported:
-        raise InvalidInput(
-            "partition_node: nodes are not network namespaces here (run as root, netns auto)"
-        )
+        raise InvalidInput(f"partition_node: needs {info.partitions_need}")
     undo = Undo("heal_partition", {"node": real})
     with run.fault("partition_node", real, undo) as details:
         run.target.partition_node(real, direction)

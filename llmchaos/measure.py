@@ -28,6 +28,7 @@ __all__ = [
     "goodput_qps",
     "healthy_workers",
     "itl_p99_ms",
+    "kv_cache_usage",
     "p99_latency_ms",
     "queue_depth",
     "recovery_time_s",
@@ -172,6 +173,17 @@ def served_in_mode_since_fault(run: ChaosRun, mode: str = "cpu", min_share: floa
 def queue_depth(run: ChaosRun) -> float:
     """Requests waiting in the engines now (sum of vllm:num_requests_waiting)."""
     return run.target.queue_depth()
+
+
+def kv_cache_usage(run: ChaosRun) -> float:
+    """The fullest KV cache of the target's engines (0..1). Raises InvalidInput when the
+    target's engines export none (a probe must not read "no data" as an empty cache)."""
+    usage = run.target.kv_cache_usage()
+    if usage is None:
+        raise InvalidInput(
+            f"kv_cache_usage: the {run.settings.target} target's engines export none"
+        )
+    return usage
 
 
 def healthy_workers(run: ChaosRun, mode: str = "") -> int:

@@ -239,10 +239,11 @@ class ChaosRun:
         backend = self._backend()
         s = self.settings
         if s.effective_qps < s.qps:
+            assert s.target_settings is not None
+            source = target_kind(s.target).max_qps_source(s.target_settings)
             note = (
-                f"qps: the experiment asks {s.qps:g}; the {s.target} target on this machine "
-                f"takes {s.effective_qps:g} (embedded_max_qps: load, stack and faults share "
-                f"{os.cpu_count()} cores; set LLMCHAOS_EMBEDDED_MAX_QPS to change it)"
+                f"qps: the experiment asks {s.qps:g}; the {s.target} target takes "
+                f"{s.effective_qps:g} ({source})"
             )
             self.notes.append(note)
             log.warning("llmchaos: %s", note)

@@ -253,10 +253,7 @@ def _check_activity(
     if func_name == "drain_node" and not info.drains_supported:
         problems.append(f"{place}: drain_node needs a target with nodes to drain (a cluster)")
     if func_name == "partition_node" and not info.partitions_supported:
-        problems.append(
-            f"{place}: partition_node needs nodes as network namespaces (run as root with "
-            "netns auto or on)"
-        )
+        problems.append(f"{place}: partition_node needs {info.partitions_need}")
     return problems
 
 

@@ -7,6 +7,7 @@ from llmchaos.run import current_run
 
 __all__ = [
     "healthy_workers",
+    "kv_cache_usage",
     "queue_depth",
     "served_in_mode_since_fault",
     "serving_mode_share",
@@ -17,6 +18,12 @@ __all__ = [
 def queue_depth() -> float:
     """Requests waiting in the engines now: sum of vllm:num_requests_waiting."""
     return measure.queue_depth(current_run())
+
+
+def kv_cache_usage() -> float:
+    """The fullest KV cache of the target's engines now (0..1: vllm:kv_cache_usage_perc, or
+    the engine kind's own name on the hosts target)."""
+    return measure.kv_cache_usage(current_run())
 
 
 def serving_mode_share(mode: str = "cpu", window_s: float = 0.0, since_fault: bool = True) -> float:

@@ -19,6 +19,9 @@ __all__ = ["BadResponse", "BodySink", "NoResponse", "ResponseParser"]
 MAX_HEAD_BYTES = 65536
 """A status line and headers longer than this are refused (no real server sends that)."""
 _MAX_CHUNK_LINE = 1024
+_MODE_HEADERS = (b"x-serving-mode", b"llm_provider-x-serving-mode")
+"""Where the serving mode arrives: from the gateway, or through LiteLLM, which passes every
+upstream header on with the prefix `llm_provider-`."""
 _HEX = b"0123456789abcdefABCDEF"
 
 # How the body ends.
@@ -64,7 +67,7 @@ class ResponseParser:
         self.status = 0
         """Status code; 0 until the head of a final (non-1xx) response is parsed."""
         self.mode: str | None = None
-        """The X-Serving-Mode header."""
+        """The X-Serving-Mode header (or LiteLLM's llm_provider-x-serving-mode)."""
         self.keep_alive = False
         self.complete = False
         self.trailing = False
@@ -171,7 +174,7 @@ class ResponseParser:
                 chunked = value.strip().lower().endswith(b"chunked")
             elif name == b"connection":
                 connection = value.strip().lower()
-            elif name == b"x-serving-mode":
+            elif name in _MODE_HEADERS:
                 mode = value.strip().decode("latin-1")
         if status < 200:
             if status == 101:

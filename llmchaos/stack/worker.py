@@ -475,6 +475,8 @@ async def serve(settings: WorkerSettings) -> None:
         handle_signals=False,
         access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
+        # a client that goes away aborts its sequence, queued or running, as vLLM does
+        handler_cancellation=True,
     )
     await runner.setup()
     try:
@@ -507,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--restart", action="store_true", help="started again after a death: full model load"
     )
+    # one settings file serves several workers of a profile (the hosts target's examples)
+    parser.add_argument("--port", type=int, help="port to bind, instead of the file's")
+    parser.add_argument("--name", help="worker name, instead of the file's")
+    parser.add_argument("--node", help="node name, instead of the file's")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -514,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         settings = load_settings(WorkerSettings, args.settings)
+        overrides = {"port": args.port, "name": args.name, "node": args.node}
+        settings = dataclasses.replace(
+            settings, **{k: v for k, v in overrides.items() if v is not None}
+        )
         check_profile(settings.profile)
         if not args.restart and settings.profile.first_load_s is not None:
             profile = dataclasses.replace(settings.profile, load_s=settings.profile.first_load_s)

@@ -57,6 +57,7 @@ DEFAULT_VARIANT = "hardened"
 KINDS: dict[str, str] = {
     "embedded": "llmchaos.targets.embedded:KIND",
     "k8s": "llmchaos.targets.kubernetes:KIND",
+    "hosts": "llmchaos.targets.hosts:KIND",
 }
 """Target name -> "module:attribute" of its TargetKind."""
 
@@ -99,6 +100,8 @@ class TargetInfo:
     gateways: tuple[str, ...]
     partitions_supported: bool
     """False when nodes cannot be cut off (embedded stack without network namespaces)."""
+    partitions_need: str = "root"
+    """What partitions would need where they are not supported, for the message that says so."""
     drains_supported: bool = False
     """True when nodes can be drained (cordoned, their pods evicted): a cluster."""
     aliases: dict[str, str] = field(default_factory=dict)
@@ -378,6 +381,11 @@ class Target(ABC):
         cannot read them."""
         return None
 
+    def kv_cache_usage(self) -> float | None:
+        """The fullest KV cache among the engines that export it (0..1; vLLM:
+        vllm:kv_cache_usage_perc), None when none does."""
+        return None
+
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
         """How the target's parts came back after `since_ts`, in Krkn's terms (its pod
         recovery times): {"recovered": [...], "unrecovered": [...]}, each entry with `name`,
@@ -470,6 +478,10 @@ class TargetKind(ABC):
     def max_qps(self, settings: TargetSettings) -> float | None:
         """Highest rate a run sends to this target whatever it asks, None for no cap."""
         return None
+
+    def max_qps_source(self, settings: TargetSettings) -> str:
+        """Where that cap is set, for the run's note when it caps a rate."""
+        return "the target's settings"
 
     @abstractmethod
     def plan(self, settings: TargetSettings) -> TargetInfo:

@@ -26,6 +26,7 @@ from llmchaos.stack.procs import find_stack_processes, http_get_status
 from llmchaos.stack.stack import restart_gateway
 from llmchaos.stack.tokens import make_text
 from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
+from llmchaos.targets.embedded import EmbeddedTarget
 from tests.stack.stack_client import Reply, Traffic, chat, valid_token
 
 pytestmark = pytest.mark.slow
@@ -226,6 +227,17 @@ def test_gpu_kill_moves_traffic_and_agent_brings_it_back(stack: Topology) -> Non
     back_s = kill.ready_at - kill.killed_at
     assert back_s >= 2.0, f"ready {back_s:.2f} s after the kill: model load must take 1.5 s"
     assert kill.returned, "gpu-0 got no traffic after it was ready again"
+    # the target's own account (its node agent's), against this test's independent watch
+    target = EmbeddedTarget(stack)
+    facts = target.recovery_facts(kill.killed_at - 0.1)
+    assert facts is not None
+    (gpu0,) = facts["recovered"]
+    assert gpu0["name"] == "gpu-0" and facts["unrecovered"] == []
+    assert 0.4 <= gpu0["rescheduling_time_s"] <= 1.5, gpu0  # restart_delay_s 0.5
+    assert 1.4 <= gpu0["readiness_time_s"] <= 3.0, gpu0  # gpu_load_s 1.5
+    assert abs(gpu0["total_recovery_time_s"] - back_s) < 0.5, (gpu0, back_s)
+    usage = target.kv_cache_usage()
+    assert usage is not None and 0.0 <= usage <= 1.0
 
 
 def test_no_failover_variant_fails_a_share_of_requests_when_a_gpu_is_killed(stack_factory) -> None:  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ Settings are configuration keys without a prefix (`variant`, `gpu_workers`, `gpu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -75,21 +76,13 @@ class EmbeddedSettings(TargetSettings):
         self.stack_config()  # the stack's own checks (worker counts, ...)
 
     def stack_config(self) -> StackConfig:
-        """The embedded stack these settings ask for."""
-        return StackConfig(
-            variant=self.variant,
-            netns=self.netns,
-            gpu_workers=self.gpu_workers,
-            cpu_workers=self.cpu_workers,
-            port=0,
-            gpu_load_s=self.gpu_load_s,
-            first_load_s=self.first_load_s,
-            restart_delay_s=self.restart_delay_s,
-            token_db_latency_ms=self.token_db_latency_ms,
-            token_db_pool_size=self.token_db_pool_size,
-            tenants=self.tenants,
-            state_root=Path(self.stacks_root),
-        )
+        """The embedded stack these settings ask for: every field the two share, any free
+        port, the state folders under `stacks_root`."""
+        shared = {f.name for f in dataclasses.fields(StackConfig)} & {
+            f.name for f in dataclasses.fields(self)
+        }
+        values = {name: getattr(self, name) for name in shared}
+        return StackConfig(**values, port=0, state_root=Path(self.stacks_root))
 
 
 class EmbeddedKind(TargetKind):
@@ -103,6 +96,12 @@ class EmbeddedKind(TargetKind):
 
     def max_qps(self, settings: TargetSettings) -> float | None:
         return _embedded(settings).embedded_max_qps
+
+    def max_qps_source(self, settings: TargetSettings) -> str:
+        return (
+            "embedded_max_qps: load, stack and faults share this machine's cores; set "
+            "LLMCHAOS_EMBEDDED_MAX_QPS to change it"
+        )
 
     def plan(self, settings: TargetSettings) -> TargetInfo:
         return planned_info(_embedded(settings).stack_config())

@@ -15,7 +15,6 @@ import os
 import signal
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from llmchaos.stack.settings import load_settings
 from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
 from llmchaos.stack.topology import Topology, read_agent_state, read_secrets
 from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.targets.cache import expire_keys, expiry_verification, key_ttls
 from llmchaos.targets.embedded.gpu import GpuFaults
 from llmchaos.targets.embedded.network import NetworkFaults
 from llmchaos.targets.embedded.processes import ProcessFaults
@@ -39,6 +39,7 @@ from llmchaos.targets.embedded.resources import ResourceFaults
 
 __all__ = ["EmbeddedTarget", "planned_info"]
 
+_TOKEN_PATTERN = "token:*"
 _READ_TIMEOUT_S = 0.5
 """Timeout of one metrics or health read: a partitioned node must not stall a probe."""
 
@@ -56,6 +57,7 @@ def planned_info(config: StackConfig) -> TargetInfo:
         ),
         gateways=tuple(f"gateway-{role}" for role in roles),
         partitions_supported=with_netns,
+        partitions_need="nodes as network namespaces: root, with netns auto or on",
         unsupported=_unsupported(with_netns),
     )
 
@@ -135,60 +137,19 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
         known = ", ".join(g.name for g in self.topology.gateways)
         raise InvalidInput(f"gateway: unknown gateway {name!r}; gateways: {known}")
 
-    @contextlib.contextmanager
-    def _redis(self) -> Iterator[Any]:
-        import redis
-
-        password = read_secrets(self._state_dir).redis_password
-        client = redis.Redis.from_url(
-            self.topology.redis_url, password=password, socket_timeout=5.0
-        )
-        try:
-            yield client
-        except redis.RedisError as exc:
-            raise StackError(f"token cache {self.topology.redis_url}: {exc}") from None
-        finally:
-            client.close()
-
     def expire_token_cache(self, ttl_s: float) -> int:
-        with self._redis() as client:
-            keys = list(client.scan_iter("token:*", count=1000))
-            # each key's TTL before, kept in memory only (the keys hold the tokens): the check
-            # tells a key that was deleted and cached again from one that was never touched
-            self._token_snapshot = (ttl_s, dict(zip(keys, _pttls(client, keys), strict=True)))
-            self._expire_keys(client, keys, ttl_s)
-        return len(keys)
-
-    @staticmethod
-    def _expire_keys(client: Any, keys: list[bytes], ttl_s: float) -> None:
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            if ttl_s > 0:
-                pipe.pexpire(key, max(1, int(ttl_s * 1000)))
-            else:
-                pipe.delete(key)
-        pipe.execute()
+        url, password = self.topology.redis_url, read_secrets(self._state_dir).redis_password
+        # each key's TTL before: the check tells a key that was deleted and cached again
+        # from one that was never touched
+        before = key_ttls(url, password, url, pattern=_TOKEN_PATTERN)
+        self._token_snapshot = (ttl_s, before)
+        return expire_keys(url, password, _TOKEN_PATTERN, ttl_s, url)
 
     def verify_expire_token_cache(self, details: dict[str, Any]) -> Verification:
-        """Each key touched: gone, or expiring within ttl_s, or cached again since (a TTL
-        longer than it had left before); a key whose TTL just kept counting down was not
-        touched."""
         ttl_s, before = self._token_snapshot
-        if not before:
-            return Verification(True, "no token:* key was cached: nothing to expire")
-        keys = list(before)
-        with self._redis() as client:
-            now = dict(zip(keys, _pttls(client, keys), strict=True))
-        limit_ms = ttl_s * 1000 if ttl_s > 0 else 0
-        gone = sum(1 for k in keys if now[k] == -2 or (limit_ms and 0 <= now[k] <= limit_ms))
-        again = sum(1 for k in keys if now[k] > before[k] > 0 and now[k] > limit_ms)
-        untouched = len(keys) - gone - again
-        what = "gone" if ttl_s == 0 else f"gone or expiring within {ttl_s:g} s"
-        return Verification(
-            untouched == 0,
-            f"{len(keys)} token:* keys: {gone} {what}, {again} cached again since, "
-            f"{untouched} untouched",
-        )
+        url, password = self.topology.redis_url, read_secrets(self._state_dir).redis_password
+        now = key_ttls(url, password, url, keys=before) if before else {}
+        return expiry_verification(ttl_s, _TOKEN_PATTERN, before, now)
 
     # -- readings ------------------------------------------------------------------------
     def queue_depth(self) -> float:
@@ -208,8 +169,10 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
             for worker in node.workers
         ]
         answered = [r for r in read if r is not None]
+        if not answered:
+            return None
         return {
-            "kv_cache_usage_max": max((r[names[0]] for r in answered), default=0.0),
+            "kv_cache_usage_max": max(r[names[0]] for r in answered),
             "preemptions_total": sum(r[names[1]] for r in answered),
             "waiting": sum(r[names[2]] for r in answered),
         }
@@ -229,6 +192,10 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
         """How long the node agents wait before restarting a dead worker."""
         path = Path(self._state_dir) / f"agent-{self.topology.nodes[0].name}.json"
         return load_settings(AgentSettings, path).restart_delay_s
+
+    def kv_cache_usage(self) -> float | None:
+        stats = self.engine_stats()
+        return stats["kv_cache_usage_max"] if stats else None
 
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
         """Each worker that died after `since_ts`, from its node agent (the kubelet here):
@@ -265,14 +232,6 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
             if (not mode or worker.mode == mode)
             and http_get_status(worker.url + "/healthz", _READ_TIMEOUT_S) == 200
         )
-
-
-def _pttls(client: Any, keys: list[bytes]) -> list[int]:
-    """Each key's TTL in ms (-2: no such key, -1: no TTL), one round trip."""
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.pttl(key)
-    return [int(v) for v in pipe.execute()]
 
 
 def _metrics(url: str, names: tuple[str, ...]) -> dict[str, float] | None:

@@ -43,7 +43,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmchaos.errors import ComponentNotReady, InvalidInput, StackError
 from llmchaos.ledger import Verification
+from llmchaos.redact import redact_text
 from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.targets.cache import expire_keys
 from llmchaos.targets.kubernetes.checks import NVIDIA_SMI, POLICY_TYPES, UNSUPPORTED, Checks
 from llmchaos.targets.kubernetes.cluster import http_status, node_of, pod_ready
 from llmchaos.targets.kubernetes.load_workers import LoadWorkers
@@ -363,33 +365,21 @@ class KubernetesTarget(Checks, NodeFaults, LoadWorkers, Recovery, Target):
             raise InvalidInput(f"ttl_s: expected seconds >= 0 (0 deletes), got {ttl_s!r}")
         ttl_ms = max(1, int(ttl_s * 1000))
         if self.settings.redis_url:
-            return self._expire_via_url(ttl_s, ttl_ms)
+            return self._expire_via_url(ttl_s)
         return self._expire_via_exec(ttl_s, ttl_ms)
 
-    def _expire_via_url(self, ttl_s: float, ttl_ms: int) -> int:
-        import redis
-
-        url = self.settings.redis_url
-        client = redis.Redis.from_url(url, socket_timeout=self.settings.request_timeout_s)
-        try:
-            keys = list(client.scan_iter(TOKEN_PATTERN, count=1000))
-            if self.settings.dry_run:
-                self._plan("expire_token_cache", via=url, keys=len(keys), ttl_s=ttl_s)
-                return 0
-            if not keys:
-                return 0
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                if ttl_s > 0:
-                    pipe.pexpire(key, ttl_ms)
-                else:
-                    pipe.delete(key)
-            pipe.execute()
-        except redis.RedisError as exc:
-            raise StackError(f"token cache {url} (redis_url): {exc}") from None
-        finally:
-            client.close()
-        return len(keys)
+    def _expire_via_url(self, ttl_s: float) -> int:
+        url = str(self.settings.redis_url)
+        shown = f"{redact_text(url)} (redis_url)"
+        timeout_s = self.settings.request_timeout_s
+        dry_run = self.settings.dry_run
+        keys = expire_keys(
+            url, None, TOKEN_PATTERN, ttl_s, shown, timeout_s=timeout_s, dry_run=dry_run
+        )
+        if dry_run:
+            self._plan("expire_token_cache", via=redact_text(url), keys=keys, ttl_s=ttl_s)
+            return 0
+        return keys
 
     def _expire_via_exec(self, ttl_s: float, ttl_ms: int) -> int:
         ready = [p for p in self._role_pods("redis") if pod_ready(p)]
@@ -462,6 +452,14 @@ class KubernetesTarget(Checks, NodeFaults, LoadWorkers, Recovery, Target):
                 continue
             total += self._pod_metric(pod.metadata.name, "vllm:num_requests_waiting")
         return total
+
+    def kv_cache_usage(self) -> float | None:
+        shares = [
+            self._pod_metric(pod.metadata.name, "vllm:kv_cache_usage_perc")
+            for _, pod in self._inference_pods()
+            if pod.status and pod.status.phase == "Running"
+        ]
+        return max(shares, default=None)
 
     def _pod_metric(self, pod: str, name: str) -> float:
         try:

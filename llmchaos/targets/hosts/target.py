@@ -1,0 +1,324 @@
+"""The user's own serving processes as a live target: faults that are checked to have taken
+effect, their undo, and readings in each engine's own terms.
+
+- kill_gpu_process: SIGKILL the pids `nvidia-smi --query-compute-apps=pid` lists inside the
+  server's process tree; without nvidia-smi (or when it lists none of them) the server's pid.
+  Checked: the pids are gone.
+- crash_gateway: SIGKILL every process listening on the gateway's port, its own process and
+  their descendants (nginx: master and workers). Checked: all gone, the port free.
+- restore_gateway: wait for the port to be free, run its restart command, wait for its health
+  path to answer 200.
+- partition_node: iptables DROP on the port of each server of the node, both directions (the
+  host's filter table, or inside the server's netns). Checked: a connect times out and the
+  rules' packet counter rises.
+- expire_token_cache: DEL (ttl_s 0) or PEXPIRE the keys of `redis.key_pattern`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from llmchaos.errors import InvalidInput, StackError
+from llmchaos.processes import Owner, pid_alive
+from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.targets.cache import expire_keys
+from llmchaos.targets.hosts import firewall
+from llmchaos.targets.hosts.engines import EngineReading, read_engine
+from llmchaos.targets.hosts.procs import (
+    descendants,
+    group_members,
+    kill_all,
+    listeners,
+    read_pid_file,
+    wait_gone,
+)
+from llmchaos.targets.hosts.state import TargetState, remove_target
+from llmchaos.targets.hosts.supervisor import Supervisor, answers
+from llmchaos.targets.hosts.topology import Gateway, HostsTopology, Part, Server
+
+__all__ = ["HostsTarget", "planned_info"]
+
+_READ_TIMEOUT_S = 0.5
+_KILL_WAIT_S = 3.0
+_PORT_FREE_WAIT_S = 10.0
+_PROBE_CONNECT_S = 0.3
+
+
+def partitions_supported() -> bool:
+    """Root and iptables: what a partition needs here."""
+    return os.geteuid() == 0 and shutil.which("iptables") is not None
+
+
+def planned_info(topology: HostsTopology) -> TargetInfo:
+    """The names the file gives, for checking an experiment before anything starts."""
+    return TargetInfo(
+        nodes=topology.nodes(),
+        workers=tuple(WorkerRef(s.name, s.mode, s.node) for s in topology.servers),
+        gateways=tuple(g.name for g in topology.gateways),
+        partitions_supported=partitions_supported(),
+        partitions_need="root and iptables on this machine",
+    )
+
+
+class HostsTarget(Target):
+    """A hosts file's processes, opened for one run (or reattached after its owner died:
+    then without a supervisor)."""
+
+    def __init__(
+        self,
+        topology: HostsTopology,
+        state: TargetState,
+        owner: Owner,
+        supervisor: Supervisor | None,
+        tokens_file: Path | None,
+    ) -> None:
+        self.topology = topology
+        self.state = state
+        self.owner = owner
+        self.supervisor = supervisor
+        self._tokens_file = tokens_file
+        self._closed = False
+
+    def info(self) -> TargetInfo:
+        return planned_info(self.topology)
+
+    @property
+    def gateway_url(self) -> str:
+        return self.topology.front_url
+
+    @property
+    def tokens_file(self) -> str | None:
+        return str(self._tokens_file) if self._tokens_file else None
+
+    def record(self) -> dict[str, Any]:
+        return {"hosts_state_dir": str(self.state.state_dir)}
+
+    def close(self) -> None:
+        """Stop what llmchaos started, remove this target's partition rules. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        remove_target(self.state)
+
+    # -- where a part runs now -----------------------------------------------------------
+    def _pid(self, part: Part) -> int | None:
+        """Its main process now: the one llmchaos started, the pid file's, or the given pid;
+        None when it does not run."""
+        if part.started_by_us:
+            return self.supervisor.pid(part.name) if self.supervisor else None
+        if part.pid_file:
+            try:
+                pid = read_pid_file(part.pid_file)
+            except InvalidInput:
+                return None
+        else:
+            pid = part.pid
+        return pid if pid is not None and pid_alive(pid) else None
+
+    # -- faults --------------------------------------------------------------------------
+    def kill_gpu_process(self, worker: str) -> dict[str, Any]:
+        server = self.topology.server(worker)
+        pid = self._pid(server)
+        if pid is None:
+            raise StackError(f"{worker}: not running, no GPU process to kill")
+        pids, via = _gpu_pids(pid)
+        at = time.time()
+        kill_all(pids)
+        left = wait_gone(pids, _KILL_WAIT_S)
+        if left:
+            raise StackError(
+                f"{worker}: GPU process(es) {left} still alive {_KILL_WAIT_S:g} s after SIGKILL"
+            )
+        if self.supervisor is not None:
+            self.supervisor.note_down(server, at)
+        return {"worker": worker, "pid": pids[0], "pids": pids, "via": via}
+
+    def crash_gateway(self, gateway: str) -> dict[str, Any]:
+        part = self.topology.gateway(gateway)
+        main = self._pid(part)
+        if main is None and not listeners(part.port):
+            raise StackError(f"{gateway} is not running: nothing listens on port {part.port}")
+        if self.supervisor is not None:
+            self.supervisor.hold(gateway)
+        at = time.time()
+        killed = self._kill_serving(part, main)
+        if self.supervisor is not None:
+            self.supervisor.note_down(part, at)
+        return {"gateway": gateway, "pid": main or killed[0], "pids": killed}
+
+    def _kill_serving(self, part: Gateway, main: int | None) -> list[int]:
+        """SIGKILL whatever serves the gateway's port until nothing does: an nginx master
+        that sees its worker die before its own SIGKILL lands forks a new worker, which
+        keeps the port (measured), so one round is not enough."""
+        group = self.supervisor.pgid(part.name) if self.supervisor else None
+        killed: list[int] = []
+        deadline = time.monotonic() + _KILL_WAIT_S
+        while True:
+            roots = {*listeners(part.port), *([main] if main else [])}
+            roots |= set(group_members(group, None)) if group else set()
+            pids = [pid for pid in descendants(roots) if pid_alive(pid)]
+            if not pids and not listeners(part.port):
+                return sorted(set(killed))
+            if time.monotonic() >= deadline:
+                raise StackError(
+                    f"{part.name}: still serving port {part.port} {_KILL_WAIT_S:g} s after "
+                    f"SIGKILL of {sorted(set(killed))} (alive: {pids or listeners(part.port)})"
+                )
+            killed += kill_all(pids)
+            wait_gone(pids, 0.2)
+
+    def restore_gateway(self, gateway: str) -> None:
+        """Start `gateway` again unless it answers; wait until it does. Idempotent."""
+        part = self.topology.gateway(gateway)
+        if answers(part) and listeners(part.port):
+            return
+        if not _wait(lambda: not listeners(part.port), _PORT_FREE_WAIT_S):
+            raise StackError(
+                f"{gateway}: port {part.port} still held by {listeners(part.port)}; not restarted"
+            )
+        if part.started_by_us:
+            if self.supervisor is None:
+                raise StackError(f"{gateway}: its run is gone; cleanup removes what it started")
+            self.supervisor.start(part, restart=True)
+        else:
+            self._run_restart_command(part)
+        if self.supervisor is not None:
+            self.supervisor.note_restarted(gateway, time.time())
+            self.supervisor.wait_ready([part])
+        elif not _wait(lambda: answers(part), part.ready_timeout_s):
+            raise StackError(f"{gateway}: no answer at {part.url}{part.health} after its restart")
+
+    def _run_restart_command(self, part: Gateway) -> None:
+        try:
+            result = subprocess.run(
+                list(part.restart_command),
+                capture_output=True,
+                text=True,
+                timeout=part.ready_timeout_s,
+                start_new_session=True,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise StackError(f"{part.name}: restart command failed: {exc}") from None
+        if result.returncode != 0:
+            raise StackError(
+                f"{part.name}: restart command exited {result.returncode}: "
+                f"{(result.stderr or result.stdout).strip()[-300:]}"
+            )
+
+    def _servers_on(self, node: str) -> list[Server]:
+        servers = [s for s in self.topology.servers if s.node == node]
+        if not servers:
+            raise InvalidInput(
+                f"node: unknown node {node!r}; nodes: {', '.join(self.topology.nodes())}"
+            )
+        return servers
+
+    def partition_node(self, node: str, direction: str = "both") -> None:
+        """DROP on the port of every server of `node`, both ways or one (requests in, or
+        answers out); checked: a connect to each times out and the rules count dropped
+        packets (one way cuts the handshake either way)."""
+        if not partitions_supported():
+            raise InvalidInput("partition_node: needs root and iptables on this machine")
+        comment = firewall.tag(self.state.target_id, node, self.owner)
+        for server in self._servers_on(node):
+            firewall.add_port_drop(server.port, comment, server.netns, direction)
+        for server in self._servers_on(node):
+            before = firewall.dropped_packets(comment, server.netns)
+            outcome = _connect(server.host, server.port)
+            after = firewall.dropped_packets(comment, server.netns)
+            if outcome != "timeout" or after <= before:
+                raise StackError(
+                    f"partition of {node}: {server.name} at {server.host}:{server.port} "
+                    f"{outcome} (packets dropped {before} -> {after}): the rules did not work"
+                )
+
+    def heal_partition(self, node: str) -> None:
+        """Remove this target's rules for `node` (idempotent)."""
+        comment = firewall.tag(self.state.target_id, node, self.owner)
+        for netns in {s.netns for s in self.topology.servers if s.node == node}:
+            for rule in firewall.tagged_rules(netns, prefix=comment):
+                firewall.delete_rule(rule)
+
+    def expire_token_cache(self, ttl_s: float) -> int:
+        spec = self.topology.redis
+        if spec is None or not spec.key_pattern:
+            raise InvalidInput(
+                f"{self.topology.path}: redis.key_pattern: not set, so there is no token cache "
+                "to expire (give redis.url and key_pattern, e.g. token:*)"
+            )
+        password = os.environ.get(spec.password_env) if spec.password_env else None
+        return expire_keys(spec.url, password, spec.key_pattern, ttl_s, spec.url)
+
+    # -- readings ------------------------------------------------------------------------
+    def engine_readings(self) -> dict[str, EngineReading]:
+        """Each server's readings in its engine's own names (engines.py)."""
+        return {
+            s.name: read_engine(s.engine, s.url, _READ_TIMEOUT_S) for s in self.topology.servers
+        }
+
+    def queue_depth(self) -> float:
+        """Requests waiting, summed over the servers that export it and answer."""
+        return sum(r.queue or 0.0 for r in self.engine_readings().values())
+
+    def kv_cache_usage(self) -> float | None:
+        """The fullest KV cache among the servers that export it (0..1), None: none does."""
+        shares = [r.kv_cache for r in self.engine_readings().values() if r.kv_cache is not None]
+        return max(shares) if shares else None
+
+    def healthy_workers(self, mode: str = "") -> int:
+        return sum(
+            1
+            for server in self.topology.servers
+            if (not mode or server.mode == mode) and answers(server, _READ_TIMEOUT_S)
+        )
+
+    def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
+        return self.supervisor.recovery_facts(since_ts) if self.supervisor else None
+
+
+def _gpu_pids(pid: int) -> tuple[list[int], str]:
+    """The pids holding a GPU inside the process tree of `pid`, and how they were found."""
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        tree = set(descendants([pid]))
+        listed = [int(w) for w in out.split() if w.isdigit() and int(w) in tree]
+        if listed:
+            return listed, "nvidia-smi"
+        return [pid], "server pid (nvidia-smi lists none of its processes)"
+    return [pid], "server pid (no nvidia-smi here)"
+
+
+def _connect(host: str, port: int) -> str:
+    """What a TCP connect meets: connected, refused, or timeout."""
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_CONNECT_S):
+            return "connected"
+    except TimeoutError:
+        return "timeout"
+    except OSError as exc:
+        return f"failed ({exc.strerror or exc})"
+
+
+def _wait(check: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -1,0 +1,81 @@
+"""The catalogue through `chaos run` against the hosts target's examples, real third-party
+gateways in front of the simulated workers: the known-good configuration passes and the
+known-bad variant fails, for reasons their documented behaviour explains.
+
+- LiteLLM 1.108.7, gpu_kill: with the tuned router (retries, cooldown on the first failure,
+  fallback) the killed worker's requests are retried on the other deployment: 0 failed. With
+  `num_retries: 0` and `disable_cooldowns: true` (no-failover) every request that picks the dead,
+  then loading (503), deployment fails until it serves again, 20 s after the kill.
+- nginx 1.22, gateway_crash: the front door's `proxy_next_upstream ... non_idempotent` and
+  `backup` gateway take the primary's requests; without the backup (no-backup-gateway) the
+  front door answers 502 until the rollback restarts the primary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from llmchaos.runner import ExperimentOutcome, run_experiment
+from tests.hosts.conftest import LITELLM_EXAMPLE, NGINX_EXAMPLE
+
+pytestmark = pytest.mark.slow
+
+
+def _run(experiment: str, hosts_file: Path, variant: str, tmp_path: Path) -> ExperimentOutcome:
+    env = {
+        "LLMCHAOS_TARGET": "hosts",
+        "LLMCHAOS_HOSTS_FILE": str(hosts_file),
+        "LLMCHAOS_HOSTS_STATE_ROOT": str(tmp_path / "hosts"),
+    }
+    return run_experiment(
+        REPO / "experiments" / f"{experiment}.json",
+        variant=variant,
+        runs_root=tmp_path / "runs",
+        extra_env=env,
+        timeout_s=600,
+    )
+
+
+CASES = [
+    pytest.param("gpu_kill", LITELLM_EXAMPLE, "hardened", True, id="litellm-gpu_kill-tuned"),
+    pytest.param(
+        "gpu_kill", LITELLM_EXAMPLE, "no-failover", False, id="litellm-gpu_kill-no-failover"
+    ),
+    pytest.param("gateway_crash", NGINX_EXAMPLE, "hardened", True, id="nginx-gateway_crash-backup"),
+    pytest.param(
+        "gateway_crash",
+        NGINX_EXAMPLE,
+        "no-backup-gateway",
+        False,
+        id="nginx-gateway_crash-no-backup",
+    ),
+]
+
+
+@pytest.mark.parametrize(("experiment", "hosts_file", "variant", "passes"), CASES)
+def test_known_good_passes_and_known_bad_fails(
+    experiment: str,
+    hosts_file: Path,
+    variant: str,
+    passes: bool,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    request.getfixturevalue("needs_litellm" if hosts_file == LITELLM_EXAMPLE else "needs_nginx")
+    outcome = _run(experiment, hosts_file, variant, tmp_path)
+    result = outcome.result
+    assert result is not None, outcome.output_tail
+    if passes:
+        assert outcome.exit_code == 0 and result.verdict == "pass", result.reasons
+        assert (result.failed_requests or 0) <= 2  # at most what was in flight at the fault
+    else:
+        assert outcome.exit_code == 1 and result.deviated, result.reasons
+        assert result.recovered is False or (result.recovery_time_s or 0) > result.sla_s
+        assert (result.failed_requests or 0) >= 20  # seconds of its share of the load
+    if hosts_file == LITELLM_EXAMPLE:
+        assert result.qps_run == 8  # the hosts file's max_qps, not the experiment's 5000
+        parts = result.target_recovery or {}
+        assert [f["name"] for f in parts["recovered"] + parts["unrecovered"]] == ["gpu-0"]

@@ -1,0 +1,281 @@
+"""The hosts target's faults on real processes (simulated engine workers, Debian's nginx,
+iptables as root): each checked to have taken effect, each undone by its undo, by the ledger,
+at close, and by the cleanup after a kill -9 of the run that owned them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from llmchaos.errors import InvalidInput, StackError
+from llmchaos.ledger import FaultLedger, Undo
+from llmchaos.processes import Owner, pid_alive
+from llmchaos.stack.procs import free_port
+from llmchaos.targets.hosts import KIND, HostsSettings, HostsTarget, firewall
+from llmchaos.targets.hosts.procs import group_members, listeners
+from llmchaos.targets.hosts.state import STATE_FILE, TargetState, cleanup_dead
+from tests.hosts.conftest import GPU_LOAD_S, write_hosts_file
+
+Opener = Callable[..., HostsTarget]
+
+
+def _wait(check: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return check()
+
+
+def _rules_of(target_id: str) -> list[firewall.Rule]:
+    return [r for r in firewall.tagged_rules() if r.target_id == target_id]
+
+
+def _live_processes(state_dir: Path) -> list[int]:
+    data = json.loads((state_dir / STATE_FILE).read_text())
+    return [
+        pid
+        for record in data["processes"].values()
+        for pid in group_members(record["pgid"], record["start_ticks"])
+    ]
+
+
+def assert_nothing_left(state_dir: Path) -> None:
+    state = TargetState.load(state_dir)
+    assert state is not None and state.data["status"] == "stopped"
+    assert _live_processes(state_dir) == []
+    assert _rules_of(state.target_id) == []
+
+
+@pytest.fixture
+def open_target(tmp_path: Path) -> Iterator[Opener]:
+    opened: list[HostsTarget] = []
+
+    def open_(nginx: bool = False) -> HostsTarget:
+        path = write_hosts_file(tmp_path / f"file{len(opened)}", nginx=nginx)
+        settings = HostsSettings(file=str(path), state_root=str(tmp_path / "hosts"))
+        target = KIND.open(settings, Owner.this_process("run", str(tmp_path)))
+        assert isinstance(target, HostsTarget)
+        opened.append(target)
+        return target
+
+    yield open_
+    for target in opened:
+        target.close()
+        assert_nothing_left(target.state.state_dir)
+
+
+def test_a_killed_server_is_restarted_like_a_kubelet_would(open_target: Opener) -> None:
+    target = open_target()
+    assert target.supervisor is not None
+    before = target.supervisor.pid("gpu-0")
+    assert target.healthy_workers("gpu") == 2
+    reading = target.engine_readings()["gpu-0"]  # the worker speaks vLLM's names
+    assert reading.queue == 0 and reading.running == 0 and reading.kv_cache == 0
+    t0 = time.time()
+    killed = target.kill_gpu_process("gpu-0")
+    assert killed["pid"] == before and not pid_alive(before)
+    assert killed["via"].startswith("server pid")  # no nvidia-smi on this machine
+    assert _wait(lambda: target.healthy_workers("gpu") == 2, 15 + GPU_LOAD_S)
+    after = target.supervisor.pid("gpu-0")
+    assert after is not None and after != before
+    (fact,) = target.recovery_facts(t0)["recovered"]  # type: ignore[index]
+    assert fact["name"] == "gpu-0" and fact["node"] == "node-a" and fact["restarts"] == 1
+    assert 0.3 <= fact["rescheduling_time_s"] < 3.0  # restart_delay_s 0.3 + the watch tick
+    assert GPU_LOAD_S * 0.9 <= fact["readiness_time_s"] < GPU_LOAD_S + 10
+    with pytest.raises(InvalidInput, match="no server named 'cpu-9'"):
+        target.kill_gpu_process("cpu-9")
+
+
+def test_a_partition_drops_both_ways_and_heals(open_target: Opener, needs_root: None) -> None:
+    target = open_target()
+    gpu0 = target.topology.server("gpu-0")
+    target.partition_node("node-a")
+    target.partition_node("node-a")  # idempotent: still one rule per direction
+    rules = _rules_of(target.state.target_id)
+    assert sorted(r.chain for r in rules) == ["INPUT", "OUTPUT"]
+    assert all(r.node == "node-a" and r.owner and r.owner.alive() for r in rules)
+    assert {r.owner.pid for r in rules if r.owner} == {os.getpid()}
+    with pytest.raises(TimeoutError), socket.create_connection((gpu0.host, gpu0.port), 0.5):
+        pass
+    assert target.healthy_workers("gpu") == 1
+    target.heal_partition("node-a")
+    target.heal_partition("node-a")
+    assert _rules_of(target.state.target_id) == []
+    assert target.healthy_workers("gpu") == 2
+
+
+def test_a_gateway_crash_kills_master_and_workers(open_target: Opener, needs_nginx: None) -> None:
+    target = open_target(nginx=True)
+    gateway = target.topology.gateway("gateway-primary")
+    serving = listeners(gateway.port)
+    assert len(serving) == 3  # nginx master + worker_processes 2 hold the socket
+    crashed = target.crash_gateway("gateway-primary")
+    # and any worker the master forked when it saw one die before its own SIGKILL landed
+    assert set(serving) <= set(crashed["pids"])
+    assert listeners(gateway.port) == [] and not any(pid_alive(p) for p in crashed["pids"])
+    with pytest.raises(StackError, match="not running"):
+        target.crash_gateway("gateway-primary")
+    target.restore_gateway("gateway-primary")
+    again = listeners(gateway.port)
+    assert len(again) == 3 and not set(again) & set(serving)
+    target.restore_gateway("gateway-primary")  # idempotent: it answers, nothing restarted
+    assert listeners(gateway.port) == again
+
+
+def test_the_ledger_undoes_a_partition_and_a_crash(
+    open_target: Opener, tmp_path: Path, needs_root: None, needs_nginx: None
+) -> None:
+    target = open_target(nginx=True)
+    ledger = FaultLedger(tmp_path / "ledger.jsonl")
+    with ledger.inject("partition_node", "node-a", Undo("heal_partition", {"node": "node-a"})):
+        target.partition_node("node-a")
+    undo = Undo("restore_gateway", {"gateway": "gateway-primary"})
+    with ledger.inject("crash_gateway", "gateway-primary", undo):
+        target.crash_gateway("gateway-primary")
+    lines = ledger.undo_all(lambda u: target.undo(u.op, u.args), by="rollback")
+    assert len(lines) == 2 and all("undone by rollback" in line for line in lines), lines
+    assert _rules_of(target.state.target_id) == []
+    assert target.healthy_workers("gpu") == 2
+    assert listeners(target.topology.gateway("gateway-primary").port)
+
+
+_OWNER = """
+import sys, time
+from llmchaos.processes import Owner
+from llmchaos.targets.hosts import KIND, HostsSettings
+settings = HostsSettings(file=sys.argv[1], state_root=sys.argv[2])
+target = KIND.open(settings, Owner.this_process("run"))
+target.partition_node("node-a")
+print(target.state.state_dir, flush=True)
+time.sleep(300)
+"""
+
+
+def test_cleanup_removes_what_a_killed_owner_left(tmp_path: Path, needs_root: None) -> None:
+    path = write_hosts_file(tmp_path / "file", nginx=False)
+    root = tmp_path / "hosts"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(path), str(root)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        state_dir = Path(owner.stdout.readline().strip())  # type: ignore[union-attr]
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        state = TargetState.load(state_dir)
+        assert state is not None
+        left = _live_processes(state_dir)
+        assert len(left) == 2 and len(_rules_of(state.target_id)) == 2  # what kill -9 leaves
+        lines = cleanup_dead(root)
+        assert any("stopped processes" in line for line in lines), lines
+        assert sum("removed rule" in line for line in lines) == 2, lines
+        assert_nothing_left(state_dir)
+        assert cleanup_dead(root) == []
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_llmchaos_cleanup_finishes_a_chaos_run_killed_during_a_partition(
+    tmp_path: Path, needs_root: None
+) -> None:
+    path = write_hosts_file(tmp_path / "file", nginx=False)
+    runs = tmp_path / "runs"
+    env = {
+        **os.environ,
+        "LLMCHAOS_TARGET": "hosts",
+        "LLMCHAOS_HOSTS_FILE": str(path),
+        "LLMCHAOS_HOSTS_STATE_ROOT": str(tmp_path / "hosts"),
+        "LLMCHAOS_RUNS_ROOT": str(runs),
+        "LLMCHAOS_WARMUP_S": "3",
+    }
+    bin_dir = Path(sys.executable).parent
+    chaos = subprocess.Popen(
+        [
+            str(bin_dir / "chaos"),
+            "--log-file",
+            str(tmp_path / "chaos.log"),
+            "run",
+            "--journal-path",
+            str(tmp_path / "journal.json"),
+            "experiments/node_partition.json",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert _wait(
+            lambda: any(
+                r.node == "node-a"
+                for r in firewall.tagged_rules()
+                if r.owner and r.owner.pid == chaos.pid
+            ),
+            90,
+        ), "no partition"
+        chaos.send_signal(signal.SIGKILL)
+        chaos.wait(timeout=10)
+    finally:
+        chaos.kill()
+        chaos.wait()
+    (run_dir,) = runs.glob("*/run.json")
+    state_dir = Path(json.loads(run_dir.read_text())["target_record"]["hosts_state_dir"])
+    assert _live_processes(state_dir) and _rules_of(TargetState.load(state_dir).target_id)  # type: ignore[union-attr]
+    result = subprocess.run(
+        [
+            str(bin_dir / "llmchaos"),
+            "cleanup",
+            "--run",
+            run_dir.parent.name,
+            "--runs-root",
+            str(runs),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "partition_node(node-a): undone by cleanup" in result.stdout, result.stdout
+    assert_nothing_left(state_dir)
+    assert json.loads(run_dir.read_text())["status"] == "abandoned"
+
+
+def test_token_cache_keys_expire(tmp_path: Path) -> None:
+    import redis
+
+    port = free_port()
+    extra = (
+        f"redis:\n  url: redis://127.0.0.1:{port}/0\n  key_pattern: 'token:*'\n"
+        f"  command: \"redis-server --port {port} --bind 127.0.0.1 --save '' --dir {{state}}\"\n"
+    )
+    path = write_hosts_file(tmp_path / "file", nginx=False, extra=extra)
+    settings = HostsSettings(file=str(path), state_root=str(tmp_path / "hosts"))
+    target = KIND.open(settings, Owner.this_process("run", str(tmp_path)))
+    client = redis.Redis(port=port)
+    try:
+        client.mset({f"token:{i}": "tenant" for i in range(5)} | {"other": "x"})
+        assert target.expire_token_cache(30) == 5
+        assert 0 < client.pttl("token:0") <= 30_000 and client.ttl("other") == -1
+        assert target.expire_token_cache(0) == 5
+        assert client.keys("token:*") == [] and client.get("other") == b"x"
+    finally:
+        client.close()
+        target.close()
+    assert_nothing_left(target.state.state_dir)  # type: ignore[attr-defined]
