@@ -31,6 +31,7 @@ from chaoslib.experiment import ensure_experiment_is_valid
 from llmchaos.errors import InvalidInput
 from llmchaos.experiment_file import read_experiment
 from llmchaos.faults import DIRECTIONS
+from llmchaos.report.score import SEVERITY_POINTS
 from llmchaos.run import planned_target
 from llmchaos.settings import ERROR_CLASSES, RunSettings, argument_ranges, as_number
 from llmchaos.targets import TargetInfo, target_kind
@@ -93,6 +94,14 @@ def experiment_meta(experiment: dict[str, Any]) -> ExperimentMeta:
         raise InvalidInput(
             f"extensions.llmchaos.severity: expected one of {', '.join(SEVERITIES)}, "
             f"got {severity!r}"
+        )
+    slo_severity = entry.get("slo_severity", {})
+    if not isinstance(slo_severity, dict) or not all(
+        v in SEVERITY_POINTS for v in slo_severity.values()
+    ):
+        raise InvalidInput(
+            "extensions.llmchaos.slo_severity: expected {probe name: critical or warning} "
+            f"(the resilience score's weights), got {slo_severity!r}"
         )
     if not isinstance(negatives, list) or not all(isinstance(v, str) for v in negatives):
         raise InvalidInput(

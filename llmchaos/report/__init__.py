@@ -31,6 +31,7 @@ from llmchaos.ledger import FaultEntry
 from llmchaos.redact import redact
 from llmchaos.report.chart import ChartMarks, write_recovery_chart
 from llmchaos.report.html import render_html
+from llmchaos.report.score import run_score
 from llmchaos.report.summary import RunResult, probe_output, verdict_of
 from llmchaos.settings import RunSettings
 
@@ -188,6 +189,7 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
         notes=list(facts.notes),
         rebuilt=facts.rebuilt,
         target_recovery=facts.target_recovery,
+        score=None if any(r.startswith("fault not") for r in reasons) else run_score(journal),
         tenants={
             "whole_run": tenant_latency(records),
             "since_fault": tenant_latency(records, min(fault_times)) if fault_times else {},

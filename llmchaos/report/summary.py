@@ -82,6 +82,10 @@ class RunResult:
     """The target's own account of the recovery, in Krkn's terms: {"recovered": [{"name",
     "node", "rescheduling_time_s", "readiness_time_s", "total_recovery_time_s"}],
     "unrecovered": [...]} for each part that died after the first fault."""
+    score: dict[str, Any] | None = None
+    """The resilience score (llmchaos.report.score, Krkn's): {"percent", "points", "total",
+    "slos": [{"name", "severity", "passed"}]}; None when no SLO was judged or a fault did not
+    go in or take effect (the run tested nothing)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -114,7 +118,18 @@ class RunResult:
             ("CPU mode", _fmt(self.cpu_mode_s, " s") + f", {_fmt(self.cpu_answers)} CPU answers"),
             ("back on GPU after", _fmt(self.gpu_return_s, " s")),
             ("worst tenant p99", self._worst_tenant()),
+            ("resilience score", self.score_line()),
         ]
+
+    def score_line(self) -> str:
+        """ "83% (5 of 6 points; lost: p99-latency-within-slo (warning))", or why unscored."""
+        if self.score is None:
+            return "- (not scored: no SLO judged, or the fault did not take effect)"
+        lost = [f"{s['name']} ({s['severity']})" for s in self.score["slos"] if not s["passed"]]
+        return (
+            f"{self.score['percent']:g}% ({self.score['points']} of {self.score['total']} points"
+            + (f"; lost: {', '.join(lost)})" if lost else ")")
+        )
 
     def _worst_tenant(self) -> str:
         """The tenant with the highest P99 since the fault (the whole run when no fault)."""
