@@ -150,4 +150,7 @@ class NetworkFaults:
             loss = self._rules_rising(info.netns or "", "loss", _CHAINS[str(details["direction"])])
             in_effect = in_effect and bool(loss.in_effect)
             lines.append(loss.evidence)
+        if not lines:  # qdiscs on other devices than this node's: nothing here was shaped
+            devices = ", ".join(d for _, d in self._links(info, str(details["direction"])))
+            return Verification(False, f"no qdisc or loss rule of this fault on {devices}")
         return Verification(in_effect, "; ".join(lines))

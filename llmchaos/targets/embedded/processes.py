@@ -79,8 +79,14 @@ class ProcessFaults:
         not answer (dead, loading, partitioned)."""
         process = self.gpu_process(worker)
         pid = int(process["pid"])
+        killed_at = time.time()
         self._signal(worker, pid, signal.SIGKILL)
-        return {"worker": worker, "pid": pid, "process_name": process.get("process_name")}
+        return {
+            "worker": worker,
+            "pid": pid,
+            "process_name": process.get("process_name"),
+            "killed_at": killed_at,
+        }
 
     def hang_gpu_process(self, worker: str) -> dict[str, Any]:
         """SIGSTOP the pid holding the worker's GPU: its port still accepts connections (the
@@ -103,17 +109,31 @@ class ProcessFaults:
         entry = state.workers.get(worker) if state else None
         return entry.pid if entry else None
 
-    def _restarted(self, worker: str, old_pid: int) -> str:
-        """Evidence of the node agent (the kubelet here) starting a new pid for `worker`."""
-        new, after_s = poll(
-            lambda: (pid := self._agent_pid(worker)) != old_pid and pid,
-            self._agent_restart_delay_s() + _NEW_PID_WITHIN_S,
-        )
-        return f"new pid {new} {after_s:.1f} s later" if new else "no new pid yet"
+    def _restarted(self, worker: str, old_pid: int, since: float = 0.0) -> tuple[bool, str]:
+        """Whether the node agent (the kubelet here) started a new pid for `worker` after
+        `since` (epoch s), and the evidence. A worker still running as a pid started
+        before `since` was never hit: the signal went to another process."""
+        node = self.topology.node(self.topology.worker(worker).node)
+
+        def restarted() -> int | None:
+            state = read_agent_state(Path(node.agent_state_path))
+            entry = state.workers.get(worker) if state else None
+            if entry is None or entry.pid == old_pid or entry.started_at < since:
+                return None
+            return entry.pid
+
+        new, after_s = poll(restarted, self._agent_restart_delay_s() + _NEW_PID_WITHIN_S)
+        if new:
+            return True, f"new pid {new} {after_s:.1f} s later"
+        now = self._agent_pid(worker)
+        if now is not None and now != old_pid and pid_alive(now):
+            return False, f"but {worker} still runs as pid {now}, started before: never hit"
+        return False, f"no new pid within {after_s:.1f} s"
 
     # -- checks --------------------------------------------------------------------------
     def verify_kill_gpu_process(self, details: dict[str, Any]) -> Verification:
-        """Each killed pid gone from /proc, then a new pid from its node agent."""
+        """Each killed pid gone from /proc, then a new pid its node agent started after the
+        kill."""
         killed = details.get("killed") or []
         if not killed:
             return Verification(False, "no process was killed")
@@ -126,9 +146,10 @@ class ProcessFaults:
                 state = process_state(pid)
                 lines.append(f"{worker}: pid {pid} still alive (state {state}) {after_s:g} s later")
                 continue
-            lines.append(
-                f"{worker}: pid {pid} gone within {after_s:.2f} s; {self._restarted(worker, pid)}"
-            )
+            # a pid that exited before the kill is gone too: the restart tells the two apart
+            restarted, how = self._restarted(worker, pid, float(item.get("killed_at", 0.0)))
+            in_effect = in_effect and restarted
+            lines.append(f"{worker}: pid {pid} gone within {after_s:.2f} s; {how}")
         return Verification(in_effect, "; ".join(lines))
 
     def verify_hang_gpu_process(self, details: dict[str, Any]) -> Verification:

@@ -45,7 +45,7 @@ class ResourceFaults:
 
         def _agent_pid(self, worker: str) -> int | None: ...
 
-        def _restarted(self, worker: str, old_pid: int) -> str: ...
+        def _restarted(self, worker: str, old_pid: int, since: float = 0.0) -> tuple[bool, str]: ...
 
         def _worker_control(
             self, worker: str, path: str, body: dict[str, Any]
@@ -156,7 +156,7 @@ class ResourceFaults:
             f"{'gone' if not pid_alive(pid) else 'alive'}"
         )
         if killed_by_oom:
-            evidence += f"; {self._restarted(worker, pid)}"
+            evidence += f"; {self._restarted(worker, pid)[1]}"
         else:
             evidence += f" after {wait_s:.0f} s"
         return Verification(killed_by_oom, evidence)
