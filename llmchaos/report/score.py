@@ -3,11 +3,13 @@ is worth 3 points when critical, 1 when a warning, and the score is the share of
 kept, (total - lost) / total x 100.
 
 An experiment's SLOs are the probes of its steady-state hypothesis, judged after the fault
-(before it, when the run never got that far). Critical: an outage (the error rate, not
-recovering within the SLA); a warning: a degradation (P99, queue depth, anything else). An
-experiment may say otherwise per probe in its llmchaos extension: `"slo_severity": {"<probe
-name>": "critical" | "warning"}`. A game day's score pools the points of every experiment run
-on the default variant (known-bad variants are meant to lose theirs).
+(before it, when the run never got that far); Chaos Toolkit stops at the first probe that
+misses, so the control judges the rest for the score (llmchaos.control). Critical: an
+outage (the error rate, not recovering within the SLA); a warning: a degradation (P99, queue
+depth, anything else). An experiment may say otherwise per probe in its llmchaos extension:
+`"slo_severity": {"<probe name>": "critical" | "warning"}`. A game day's score pools the
+points of every experiment run on the default variant (known-bad variants are meant to lose
+theirs).
 """
 
 from __future__ import annotations
@@ -49,13 +51,15 @@ def run_score(journal: dict[str, Any] | None) -> dict[str, Any] | None:
     if not judged or not judged.get("probes"):
         return None
     overrides = _overrides(journal or {})
+    # Chaos Toolkit stops at the first miss; the control judged the rest (llmchaos_rest)
+    runs = [*judged["probes"], *(judged.get("llmchaos_rest") or [])]
     slos = [
         {
             "name": run.get("activity", {}).get("name", "?"),
             "severity": severity_of(run.get("activity", {}), overrides),
             "passed": bool(run.get("tolerance_met")) and run.get("status") != "failed",
         }
-        for run in judged["probes"]
+        for run in runs
     ]
     return _score(slos) | {"slos": slos}
 
