@@ -92,12 +92,28 @@ def test_a_killed_server_is_restarted_like_a_kubelet_would(open_target: Opener) 
     assert _wait(lambda: target.healthy_workers("gpu") == 2, 15 + GPU_LOAD_S)
     after = target.supervisor.pid("gpu-0")
     assert after is not None and after != before
+    # the supervisor sees it ready on its next tick, maybe after this test's own look
+    assert _wait(lambda: target.recovery_facts(t0)["recovered"], 5)  # type: ignore[index]
     (fact,) = target.recovery_facts(t0)["recovered"]  # type: ignore[index]
     assert fact["name"] == "gpu-0" and fact["node"] == "node-a" and fact["restarts"] == 1
     assert 0.3 <= fact["rescheduling_time_s"] < 3.0  # restart_delay_s 0.3 + the watch tick
     assert GPU_LOAD_S * 0.9 <= fact["readiness_time_s"] < GPU_LOAD_S + 10
     with pytest.raises(InvalidInput, match="no server named 'cpu-9'"):
         target.kill_gpu_process("cpu-9")
+
+
+def test_a_hung_server_stops_answering_and_resumes(open_target: Opener) -> None:
+    target = open_target()
+    hung = target.hang_gpu_process("gpu-1")
+    verified = target.verify("hang_gpu_process", hung)
+    assert verified.in_effect is True and "state T" in verified.evidence, verified
+    assert target.healthy_workers("gpu") == 1  # its port accepts, nothing answers
+    target.resume_gpu_process("gpu-1")
+    target.resume_gpu_process("gpu-1")  # idempotent
+    assert _wait(lambda: target.healthy_workers("gpu") == 2, 5)
+    # the same check once it runs again (a hang that did nothing) says so
+    again = target.verify("hang_gpu_process", hung)
+    assert again.in_effect is False and "state T" not in again.evidence, again
 
 
 def test_a_partition_drops_both_ways_and_heals(open_target: Opener, needs_root: None) -> None:

@@ -4,6 +4,7 @@ effect, their undo, and readings in each engine's own terms.
 - kill_gpu_process: SIGKILL the pids `nvidia-smi --query-compute-apps=pid` lists inside the
   server's process tree; without nvidia-smi (or when it lists none of them) the server's pid.
   Checked: the pids are gone.
+- hang_gpu_process / resume_gpu_process: SIGSTOP / SIGCONT the same pids (a hung GPU).
 - crash_gateway: SIGKILL every process listening on the gateway's port, its own process and
   their descendants (nginx: master and workers). Checked: all gone, the port free.
 - restore_gateway: wait for the port to be free, run its restart command, wait for its health
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -31,7 +33,7 @@ from typing import Any
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import Verification
-from llmchaos.processes import Owner, pid_alive
+from llmchaos.processes import Owner, pid_alive, process_state
 from llmchaos.targets import Target, TargetInfo, WorkerRef
 from llmchaos.targets.cache import expire_keys, expiry_verification, key_ttls
 from llmchaos.targets.hosts import firewall
@@ -91,6 +93,7 @@ class HostsTarget(Target):
         self._tokens_file = tokens_file
         self._closed = False
         self._token_snapshot: tuple[float, dict[bytes, int]] = (0.0, {})
+        self._hung: dict[str, list[int]] = {}
 
     def info(self) -> TargetInfo:
         return planned_info(self.topology)
@@ -147,6 +150,32 @@ class HostsTarget(Target):
         if self.supervisor is not None:
             self.supervisor.note_down(server, at)
         return {"worker": worker, "pid": pids[0], "pids": pids, "via": via}
+
+    def hang_gpu_process(self, worker: str) -> dict[str, Any]:
+        """SIGSTOP the GPU pids of the server (as kill_gpu_process finds them): its port still
+        accepts connections, nothing answers. The supervisor restarts only what exits."""
+        server = self.topology.server(worker)
+        pid = self._pid(server)
+        if pid is None:
+            raise StackError(f"{worker}: not running, no GPU process to hang")
+        pids, via = _gpu_pids(pid)
+        kill_all(pids, signal.SIGSTOP)
+        self._hung[worker] = pids
+        return {"worker": worker, "pid": pids[0], "pids": pids, "via": via}
+
+    def resume_gpu_process(self, worker: str) -> None:
+        """SIGCONT what hang_gpu_process stopped (idempotent)."""
+        kill_all(self._hung.pop(worker, []), signal.SIGCONT)
+
+    def verify_hang_gpu_process(self, details: dict[str, Any]) -> Verification:
+        """Each pid in state T (stopped by a signal)."""
+        states = {pid: process_state(pid) or "gone" for pid in details["pids"]}
+        return Verification(
+            all(state == "T" for state in states.values()),
+            f"{details['worker']}: "
+            + ", ".join(f"pid {p} in state {s}" for p, s in states.items())
+            + " (T: stopped)",
+        )
 
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
         part = self.topology.gateway(gateway)
