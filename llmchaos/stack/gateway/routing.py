@@ -14,8 +14,11 @@ Rules (also in the gateway's README section):
   broken stream): its /healthz saying ready proves nothing then (a GPU failing after an Xid
   error), so it stays out for `eject_s` times the number of such ejections in a row (Envoy's
   outlier detection, with successful_active_health_check_uneject_host off); a run of them is
-  forgotten once the worker stays clean as long as its last ejection lasted. Without
-  `passive_ejection` (a known-bad variant) nothing is ejected.
+  forgotten once the worker stays clean as long as its last ejection lasted. A request that
+  timed out while an active check of the same worker passed counts as a bad answer too: the
+  worker answers its checks but not its requests (a slow or lossy link, a gray failure), and
+  readmitting it on the next check would send it requests to time out again and again.
+  Without `passive_ejection` (a known-bad variant) nothing is ejected.
 - capacity: a worker can take a request while outstanding < max_num_seqs * (1 + ratio), ratio
   = `worker_queue_allowance_ratio` for gpu workers, `cpu_queue_allowance_ratio` (0) for cpu
   ones (max_num_seqs read from /healthz).
@@ -65,6 +68,7 @@ class Worker:
         "bad_answers",
         "capacity",
         "check_timeouts",
+        "checked_at",
         "ejected_at",
         "ejected_until",
         "health_url",
@@ -88,6 +92,8 @@ class Worker:
         self.ready = False
         self.check_timeouts = 0
         """Active checks in a row that timed out."""
+        self.checked_at = -math.inf
+        """When the last active check that passed ended (monotonic)."""
         self.ejected_until = 0.0
         self.ejected_at = -math.inf
         self.bad_answers = 0
@@ -127,7 +133,7 @@ class WorkerPool:
         self._health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s or None)
         self._timeouts_to_fail = max(1, settings.health_timeouts_to_fail)
         self._passive_ejection = settings.passive_ejection
-        self._round_robin = settings.round_robin
+        self._in_turn = settings.round_robin
         self._rotation = 0
 
     def select(self, exclude: Collection[Worker] = ()) -> Worker | None:
@@ -169,18 +175,24 @@ class WorkerPool:
                 continue
             if within_capacity and worker.outstanding >= worker.capacity:
                 continue
-            if self._round_robin:
+            if self._in_turn:
                 return worker  # the first eligible in turn
             if best is None or worker.outstanding < best.outstanding:
                 best = worker
         return best
 
-    def eject(self, worker: Worker, reason: str, answered: bool = False) -> None:
+    def eject(
+        self, worker: Worker, reason: str, answered: bool = False, sent_at: float = math.inf
+    ) -> None:
         """Skip `worker` after a failed request (passive health): `answered` when it answered
-        badly (5xx, broken stream), else it did not answer (rules in the module docstring)."""
+        badly (5xx, broken stream), else it did not answer; `sent_at` (monotonic) when the
+        request went out (rules in the module docstring)."""
         if not self._passive_ejection:
             return
         now = time.monotonic()
+        if not answered and reason.endswith("timeout") and worker.checked_at > sent_at:
+            answered = True  # its checks pass while its requests time out: a gray failure
+            reason += " while its health checks passed"
         if answered:
             if now < worker.ejected_until and worker.bad_answers:
                 return  # sent before its ejection: the same outlier, not a new ejection
@@ -255,6 +267,8 @@ class WorkerPool:
             if isinstance(max_num_seqs, int) and max_num_seqs > 0:
                 worker.set_max_num_seqs(max_num_seqs)
         ready = problem is None
+        if ready:
+            worker.checked_at = time.monotonic()
         if ready != worker.ready:
             log.info("worker %s %s", worker.name, "healthy" if ready else f"unhealthy: {problem}")
         worker.ready = ready
