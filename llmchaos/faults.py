@@ -52,6 +52,12 @@ def _check_supported(run: ChaosRun, fault: str) -> None:
         raise InvalidInput(f"{fault}: the {run.settings.target} target cannot do it: {reason}")
 
 
+def _lift(run: ChaosRun, op: str, args: dict[str, Any]) -> None:
+    """Run undo operation `op` now and close the ledger's faults it undoes (idempotent)."""
+    run.target.undo(op, args)
+    run.ledger.close_matching(Undo(op, args), by=op)
+
+
 def _check_direction(direction: str) -> str:
     if direction not in DIRECTIONS:
         raise InvalidInput(f"direction: expected one of {', '.join(DIRECTIONS)}, got {direction!r}")
@@ -89,8 +95,7 @@ def partition_node(run: ChaosRun, node: str, direction: str = "both") -> str:
 def heal_partition(run: ChaosRun, node: str) -> str:
     """Let `node`'s traffic through again (idempotent)."""
     real = run.target.info().node_name(node)
-    run.target.heal_partition(real)
-    run.ledger.close_matching(Undo("heal_partition", {"node": real}), by="heal_partition")
+    _lift(run, "heal_partition", {"node": real})
     return real
 
 
@@ -220,10 +225,7 @@ def resume_gpu_process(run: ChaosRun, worker: str = "", node: str = "") -> list[
     """SIGCONT what hang_gpu_process stopped (idempotent)."""
     names = run.target.info().gpu_workers(worker, node)
     for name in names:
-        run.target.resume_gpu_process(name)
-        run.ledger.close_matching(
-            Undo("resume_gpu_process", {"worker": name}), by="resume_gpu_process"
-        )
+        _lift(run, "resume_gpu_process", {"worker": name})
     return names
 
 
@@ -254,8 +256,7 @@ def slow_gpu(run: ChaosRun, worker: str, slowdown: float = 10.0) -> dict[str, An
 def clear_gpu_fault(run: ChaosRun, worker: str) -> str:
     """End gpu_errors or slow_gpu on `worker` (idempotent)."""
     (name,) = run.target.info().gpu_workers(worker, "")
-    run.target.clear_gpu_fault(name)
-    run.ledger.close_matching(Undo("clear_gpu_fault", {"worker": name}), by="clear_gpu_fault")
+    _lift(run, "clear_gpu_fault", {"worker": name})
     return name
 
 
@@ -275,8 +276,7 @@ def throttle_cpu(run: ChaosRun, part: str, cpu_percent: float = 5.0) -> dict[str
 def unthrottle_cpu(run: ChaosRun, part: str) -> str:
     """Lift throttle_cpu (idempotent)."""
     name = run.target.info().part_name(part)
-    run.target.unthrottle_cpu(name)
-    run.ledger.close_matching(Undo("unthrottle_cpu", {"part": name}), by="unthrottle_cpu")
+    _lift(run, "unthrottle_cpu", {"part": name})
     return name
 
 
@@ -350,8 +350,7 @@ def degrade_network(
 def restore_network(run: ChaosRun, node: str) -> str:
     """Lift degrade_network (idempotent)."""
     real = run.target.info().node_name(node)
-    run.target.restore_network(real)
-    run.ledger.close_matching(Undo("restore_network", {"node": real}), by="restore_network")
+    _lift(run, "restore_network", {"node": real})
     return real
 
 
