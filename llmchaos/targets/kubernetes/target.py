@@ -139,15 +139,9 @@ class KubernetesTarget(Checks, NodeFaults, LoadWorkers, Recovery, Target):
         lists host pids, or nothing: then kill fails or has nothing to do, and deleting the
         pod is the closest fault (the container's process dies, the pod is rescheduled).
         """
-        gpu_pods = {p.metadata.name: p for p in self._role_pods("gpu")}
-        if worker not in gpu_pods:
-            raise InvalidInput(
-                f"worker: {worker!r} is not a GPU inference pod in namespace {self.namespace} "
-                f"(gpu_selector {self.settings.gpu_selector!r}); GPU pods: "
-                f"{', '.join(gpu_pods) or 'none'}"
-            )
-        node = node_of(gpu_pods[worker])
-        uid = gpu_pods[worker].metadata.uid
+        pod = self._named_pod("gpu", worker)
+        node = node_of(pod)
+        uid = pod.metadata.uid
         base = {"worker": worker, "pod": worker, "node": node, "uid": uid}
         if self.settings.dry_run:
             return self._plan(
@@ -268,11 +262,13 @@ class KubernetesTarget(Checks, NodeFaults, LoadWorkers, Recovery, Target):
         """The NetworkPolicy present, of the direction asked, selecting labelled pods."""
         node, direction = str(details["node"]), str(details.get("direction", "both"))
         name, key = _policy_name(node), _partition_key(node)
-        policies = self._net.list_namespaced_network_policy(
-            self.namespace, _request_timeout=self.settings.request_timeout_s
-        ).items
-        policy = next((p for p in policies if p.metadata.name == name), None)
-        if policy is None:
+        try:
+            policy = self._net.read_namespaced_network_policy(
+                name, self.namespace, _request_timeout=self.settings.request_timeout_s
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
             return Verification(False, f"no NetworkPolicy {name} in {self.namespace}")
         label = self.settings.partition_label
         selected = [
@@ -288,21 +284,30 @@ class KubernetesTarget(Checks, NodeFaults, LoadWorkers, Recovery, Target):
             "visible through the API",
         )
 
+    def _named_pod(self, role: str, name: str) -> Any:
+        """The pod `name` of `role` (gpu: a GPU inference pod, gateway); InvalidInput naming
+        the argument, the selector and the pods there are otherwise."""
+        pods = {p.metadata.name: p for p in self._role_pods(role)}
+        if name not in pods:
+            gpu = role == "gpu"
+            field, what = ("worker", "GPU inference pod") if gpu else (role, f"{role} pod")
+            selector = getattr(self.settings, f"{role}_selector")
+            raise InvalidInput(
+                f"{field}: {name!r} is not a {what} in namespace {self.namespace} "
+                f"({role}_selector {selector!r}); {what.split()[0]} pods: "
+                f"{', '.join(pods) or 'none'}"
+            )
+        return pods[name]
+
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
         """Delete the gateway pod with grace period 0; returns {"gateway", "pod", "node",
         "deleted_pod"} (no pid: the process is the container's)."""
-        pods = {p.metadata.name: p for p in self._role_pods("gateway")}
-        if gateway not in pods:
-            raise InvalidInput(
-                f"gateway: {gateway!r} is not a gateway pod in namespace {self.namespace} "
-                f"(gateway_selector {self.settings.gateway_selector!r}); gateway pods: "
-                f"{', '.join(pods) or 'none'}"
-            )
+        pod = self._named_pod("gateway", gateway)
         result = {
             "gateway": gateway,
             "pod": gateway,
-            "node": node_of(pods[gateway]),
-            "uid": pods[gateway].metadata.uid,
+            "node": node_of(pod),
+            "uid": pod.metadata.uid,
         }
         if self.settings.dry_run:
             return self._plan(
