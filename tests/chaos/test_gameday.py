@@ -151,7 +151,9 @@ def _check_report_in_chromium(front: Path, tmp_path: Path) -> None:
             history = page.get_by_test_id("test-result-tab-history")
             assert "1" in history.inner_text(), "Allure's history holds the first game day"
             _opens_an_image(page, page.get_by_text("recovery-time trend", exact=True).last)
-            # the experiment itself, with its recovery chart
+            # the experiment itself, with its recovery chart (a fresh page: the one above
+            # came from the game day's page and keeps Allure's route)
+            page = browser.new_page()
             page.goto(index.as_uri())
             for section in ("suites", "test_catalogue.py"):
                 page.get_by_text(section, exact=True).first.click()
