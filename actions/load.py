@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from llmchaos import faults
 from llmchaos.run import current_run
 
-__all__ = ["inject_burst", "set_qps"]
+__all__ = ["inject_burst", "long_prompt_surge", "set_qps"]
 
 
 def set_qps(qps: float) -> float:
@@ -18,3 +20,12 @@ def inject_burst(duration_s: float = 10.0, factor: float = 1.0) -> float:
     """A burst starting now: `factor` x the base rate on top of it for `duration_s` seconds.
     Returns the extra requests/s."""
     return faults.inject_burst(current_run(), duration_s, factor)
+
+
+def long_prompt_surge(
+    qps: float = 4.0, duration_s: float = 15.0, prompt_tokens: float = 6000, max_tokens: float = 200
+) -> dict[str, Any]:
+    """A surge of long prompts from one tenant beside the load: `qps` requests a second of
+    `prompt_tokens` prompt tokens and `max_tokens` output, for `duration_s`. It fills the
+    engines' KV cache (preemptions, queue growth); the load's SLO is judged as usual."""
+    return faults.long_prompt_surge(current_run(), qps, duration_s, prompt_tokens, max_tokens)

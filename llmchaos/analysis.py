@@ -43,6 +43,7 @@ __all__ = [
     "read_timeline",
     "recovery",
     "rolling_windows",
+    "tenant_latency",
 ]
 
 
@@ -76,6 +77,8 @@ class SecondRecord:
     latency: LogHistogram = field(default_factory=LogHistogram)
     stream_p99_ms: dict[str, float | None] = field(default_factory=dict)
     """P99 of the streams' "ttft_ms", "itl_ms", "tpot_ms" in this second (for the report)."""
+    tenant_latency: dict[str, LogHistogram] = field(default_factory=dict)
+    """Each tenant's latencies (end to end, answered requests) in this second."""
 
     @property
     def answered(self) -> int:
@@ -96,6 +99,9 @@ class SecondRecord:
             latency=LogHistogram.from_json(hist) if hist else LogHistogram(),
             stream_p99_ms={
                 name: (line.get(name) or {}).get("p99") for name in ("ttft_ms", "itl_ms", "tpot_ms")
+            },
+            tenant_latency={
+                str(t): LogHistogram.from_json(h) for t, h in line.get("tenant_hist", {}).items()
             },
         )
 
@@ -288,3 +294,29 @@ def fault_impact(
         cpu_answers=sum(r.modes.get("cpu", 0) for r in after),
         gpu_return_s=round(cpu_seconds[-1] + 1 - fault_ts, 3) if cpu_seconds else None,
     )
+
+
+def tenant_latency(
+    records: Sequence[SecondRecord], since_ts: float | None = None
+) -> dict[str, dict[str, float | int | None]]:
+    """Each tenant's answered requests and their P50/P99 latency (end to end from the
+    scheduled send time, the load's definition) over the records scheduled from `since_ts`
+    (all when None), by tenant name: whose requests a fault hurt (jitter attribution)."""
+    merged: dict[str, LogHistogram] = {}
+    for record in records:
+        if since_ts is not None and record.ts + 1 <= since_ts:
+            continue
+        for tenant, hist in record.tenant_latency.items():
+            merged.setdefault(tenant, LogHistogram()).merge(hist)
+    return {
+        tenant: {
+            "requests": hist.count,
+            "p50_ms": _rounded(hist.quantile(0.5)),
+            "p99_ms": _rounded(hist.quantile(0.99)),
+        }
+        for tenant, hist in sorted(merged.items())
+    }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)

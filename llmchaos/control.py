@@ -168,10 +168,20 @@ def before_hypothesis_control(context: dict[str, Any], **kwargs: Any) -> None:
 
 
 def after_hypothesis_control(
-    context: dict[str, Any], state: dict[str, Any] | None = None, **kwargs: Any
+    context: dict[str, Any],
+    state: dict[str, Any] | None = None,
+    experiment: dict[str, Any] | None = None,
+    configuration: dict[str, Any] | None = None,
+    secrets: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> None:
-    """Before the method, an unmet steady state interrupts the run (a failure, exit 1)."""
-    if _session is None or _session.method_started or not state:
+    """Before the method, an unmet steady state interrupts the run (a failure, exit 1).
+    After it, the probes Chaos Toolkit left unjudged are judged for the resilience score."""
+    if _session is None or not state:
+        return
+    if _session.method_started:
+        if state.get("steady_state_met") is False and experiment is not None:
+            _judge_the_rest(context, state, experiment, configuration, secrets)
         return
     _session.before_state = state
     if state.get("steady_state_met") is False:
@@ -183,6 +193,29 @@ def after_hypothesis_control(
             f"llmchaos: {reason}; the target is not healthy, so no fault is injected and the "
             "run fails"
         )
+
+
+def _judge_the_rest(
+    hypothesis: dict[str, Any],
+    state: dict[str, Any],
+    experiment: dict[str, Any],
+    configuration: dict[str, Any] | None,
+    secrets: dict[str, Any] | None,
+) -> None:
+    """Chaos Toolkit stops a hypothesis at its first miss; the resilience score (Krkn's)
+    weighs every SLO, so the probes after it are run and judged here, kept beside Chaos
+    Toolkit's own in state["llmchaos_rest"] (its verdict unchanged)."""
+    from chaoslib.activity import execute_activity
+    from chaoslib.hypothesis import within_tolerance
+
+    rest = []
+    for activity in (hypothesis.get("probes") or [])[len(state.get("probes") or []) :]:
+        run = execute_activity(experiment, activity, configuration or {}, secrets or {}, None)
+        met = run["status"] != "failed" and within_tolerance(
+            activity.get("tolerance"), run.get("output"), configuration, secrets
+        )
+        rest.append({"activity": activity, "status": run["status"], "tolerance_met": met})
+    state["llmchaos_rest"] = rest
 
 
 def before_method_control(context: dict[str, Any], **kwargs: Any) -> None:

@@ -6,12 +6,19 @@ One JSON object per line in `<run folder>/ledger.jsonl`, appended and fsynced:
      "target": "node-a", "undo": {"op": "heal_partition", "args": {"node": "node-a"}}}
     {"event": "injected", "id": 1, "at": ...}                    # the action went through
     {"event": "failed", "id": 1, "at": ..., "error": "..."}      # it raised (may be half done)
+    {"event": "verified", "id": 1, "at": ..., "in_effect": true,  # checked on the target
+     "evidence": "DROP rules in llmc-1a2b-node-a matched 14 packets in 1.0 s"}
     {"event": "undone", "id": 1, "at": ..., "by": "rollback"}    # its undo ran
 
 A fault is open from its `inject` line until an `undone` line, whatever happened in between:
 an action that failed half-way may still have changed something, so its undo runs too. Undo
 operations are idempotent (healing a healed node is a no-op), so undoing twice is harmless.
 Faults without an undo (a killed process that its node agent restarts) are never open.
+
+Every fault is checked after it went in (`Verification`): the field learned that a fault can
+silently do nothing (a rule in the wrong namespace, a kill aimed at a pid that had exited), and
+a run whose fault did nothing proves nothing. The evidence is kept with the fault; a fault found
+not in effect fails the run's verdict.
 
 Reading is tolerant of a last line cut off by a kill: it is skipped, not fatal.
 """
@@ -28,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LEDGER_FILE", "FaultEntry", "FaultLedger", "Undo"]
+__all__ = ["LEDGER_FILE", "FaultDetails", "FaultEntry", "FaultLedger", "Undo", "Verification"]
 
 LEDGER_FILE = "ledger.jsonl"
 
@@ -39,6 +46,24 @@ class Undo:
 
     op: str
     args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Whether a fault took effect, and what showed it (or showed it did not)."""
+
+    in_effect: bool | None
+    """True: seen in effect; False: seen not in effect (the run proves nothing); None: this
+    target cannot tell (said in the evidence)."""
+    evidence: str
+    """What was looked at and found: pids, process states, packet counters, qdiscs, cgroup
+    counters, keys."""
+
+
+class FaultDetails(dict[str, Any]):
+    """What an action reports about its fault (pids, keys, ...), with the fault's ledger id."""
+
+    fault_id: int = 0
 
 
 @dataclass
@@ -58,6 +83,10 @@ class FaultEntry:
     details: dict[str, Any] = field(default_factory=dict)
     """What the action reported (pids killed, keys expired, ...)."""
     error: str | None = None
+    in_effect: bool | None = None
+    """The verification's verdict (see Verification); None also before it ran."""
+    evidence: str | None = None
+    """What the verification saw; None when it did not run (a failed action, a killed run)."""
 
     @property
     def open(self) -> bool:
@@ -105,6 +134,9 @@ class FaultLedger:
                     at=float(record.get("at", 0.0)),
                     undo=Undo(undo["op"], dict(undo.get("args", {}))) if undo else None,
                 )
+            elif fault_id in faults and event == "verified":
+                faults[fault_id].in_effect = record.get("in_effect")
+                faults[fault_id].evidence = str(record.get("evidence", ""))
             elif fault_id in faults and event in ("injected", "failed", "undone"):
                 entry = faults[fault_id]
                 entry.state = str(event)
@@ -135,7 +167,7 @@ class FaultLedger:
         return max((e.at for e in entries), default=None)
 
     @contextmanager
-    def inject(self, fault: str, target: str, undo: Undo | None) -> Iterator[dict[str, Any]]:
+    def inject(self, fault: str, target: str, undo: Undo | None) -> Iterator[FaultDetails]:
         """Record a fault, then let the caller inject it.
 
         The `inject` line is on disk before the body runs. The body may fill the yielded
@@ -154,7 +186,8 @@ class FaultLedger:
                     "undo": {"op": undo.op, "args": undo.args} if undo else None,
                 }
             )
-        details: dict[str, Any] = {}
+        details = FaultDetails()
+        details.fault_id = fault_id
         try:
             yield details
         except BaseException as exc:
@@ -169,6 +202,18 @@ class FaultLedger:
             )
             raise
         self._append({"event": "injected", "id": fault_id, "at": time.time(), "details": details})
+
+    def record_verification(self, fault_id: int, verification: Verification) -> None:
+        """Keep what the check after the injection found."""
+        self._append(
+            {
+                "event": "verified",
+                "id": fault_id,
+                "at": time.time(),
+                "in_effect": verification.in_effect,
+                "evidence": verification.evidence,
+            }
+        )
 
     def mark_undone(self, fault_id: int, by: str) -> None:
         self._append({"event": "undone", "id": fault_id, "at": time.time(), "by": by})

@@ -51,6 +51,7 @@ __all__ = [
     "watch_scale_in",
     "watch_scale_out",
     "window_error_rate",
+    "worker_share_after_fault",
     "worst_p99_ms_since_fault",
 ]
 
@@ -594,3 +595,39 @@ def registry_has_leader(run: ChaosRun) -> bool:
         return False
     log.info("llmchaos: registry leader: %s", name)
     return True
+
+
+def worker_share_after_fault(run: ChaosRun, worker: str, window_s: float = 0.0) -> float:
+    """Share of the requests the GPU workers took over the next `window_s` seconds (the run's
+    window by default) that `worker` took: did routing shift load away from it? From the
+    engines' own metrics: finished (vllm:request_success) plus in the engine (running and
+    waiting), whose difference over the window counts arrivals even when an engine falls
+    behind. 0 before any fault (nothing to judge yet), so it can sit in the steady-state
+    hypothesis."""
+    window_s = as_number("window_s", window_s) or run.settings.window_s
+    if window_s < 0:
+        raise InvalidInput(f"window_s: expected seconds >= 0, got {window_s}")
+    info = run.target.info()
+    (name,) = info.gpu_workers(worker, "")
+    if run.last_fault_ts() is None:
+        return 0.0
+    gpus = {w.name for w in info.workers if w.mode == "gpu"}
+    before = run.target.requests_taken()
+    if before is None:
+        raise InvalidInput(
+            f"worker_share_after_fault: the {run.settings.target} target "
+            "cannot read its engines' request counters"
+        )
+    time.sleep(window_s)
+    after = run.target.requests_taken() or {}
+    done = {w: after.get(w, 0.0) - before.get(w, after.get(w, 0.0)) for w in gpus}
+    total = sum(max(0.0, n) for n in done.values())
+    share = max(0.0, done.get(name, 0.0)) / total if total else 0.0
+    log.info(
+        "llmchaos: %s finished %.0f of %.0f GPU requests in %g s",
+        name,
+        done.get(name, 0.0),
+        total,
+        window_s,
+    )
+    return round(share, 4)

@@ -25,10 +25,20 @@ __all__ = [
     "find_marked",
     "group_members",
     "pid_alive",
+    "process_state",
     "start_ticks",
     "stop_group",
     "stop_pids",
 ]
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's state letter of process `pid` (R running, S sleeping, T stopped by a
+    signal, Z zombie, ...: proc(5)); None when there is no such process."""
+    try:
+        return _stat_fields(Path(f"/proc/{pid}/stat").read_text())[0]
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def start_ticks(pid: int) -> int | None:

@@ -32,13 +32,14 @@ from typing import Any, ClassVar
 
 from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.files import read_json_object, write_json_atomic
-from llmchaos.ledger import LEDGER_FILE, FaultEntry, FaultLedger, Undo
+from llmchaos.ledger import LEDGER_FILE, FaultDetails, FaultEntry, FaultLedger, Undo, Verification
 from llmchaos.load import LoadConfig, LoadRun, Summary
 from llmchaos.load.api import find_load_processes
 from llmchaos.processes import Owner, start_ticks, stop_pids
 from llmchaos.redact import redact, redact_text
 from llmchaos.report import RunFacts, RunResult, write_run_report
 from llmchaos.settings import RunSettings
+from llmchaos.surge import LongPromptSurge
 from llmchaos.targets import Target, TargetInfo, target_kind
 
 __all__ = [
@@ -56,8 +57,8 @@ log = logging.getLogger("chaostoolkit")
 
 RUN_FILE = "run.json"
 JOURNAL_FILE = "journal.json"
-LOAD_UNDO_OPS = frozenset({"set_qps"})
-"""Undo operations that act on the load rather than on the target."""
+LOAD_UNDO_OPS = frozenset({"set_qps", "stop_surge"})
+"""Undo operations that act on the load (or the surge beside it) rather than on the target."""
 
 
 class NoActiveRun(LLMChaosError):
@@ -135,6 +136,8 @@ class ChaosRun:
     """Where the run is (starting-target, warming-up, method, report, ...): in run.json, so a
     report rebuilt after a kill can say where the run died."""
     started_at: float = field(default_factory=time.time)
+    surge: LongPromptSurge | None = None
+    """The long-prompt surge sent beside the load, if one was started."""
 
     load_factory: ClassVar[Callable[[LoadConfig], LoadRun]] = LoadRun.start
     """How the load starts: a Locust process of its own (the run layer's tests give it a
@@ -316,11 +319,72 @@ class ChaosRun:
 
     # -- faults --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def fault(self, fault: str, target: str, undo: Undo | None) -> Iterator[dict[str, Any]]:
-        """Ledger first, then the action (the body). See FaultLedger.inject."""
+    def fault(
+        self,
+        fault: str,
+        target: str,
+        undo: Undo | None,
+        verify: Callable[[FaultDetails], Verification] | None = None,
+    ) -> Iterator[FaultDetails]:
+        """Ledger first, then the action (the body), then the check that it took effect,
+        whose evidence the ledger keeps: `verify(details)`, by default the target's own
+        (`Target.verify`). See FaultLedger.inject."""
         log.info("llmchaos: fault %s on %s", fault, target)
         with self.ledger.inject(fault, target, undo) as details:
             yield details
+        check = verify or (lambda d: self._backend().verify(fault, d))
+        try:
+            verification = check(details)
+        except LLMChaosError as exc:  # a check that cannot run proves nothing either way
+            verification = Verification(None, f"the check could not run: {exc}")
+        level = logging.WARNING if verification.in_effect is False else logging.INFO
+        log.log(
+            level,
+            "llmchaos: %s in effect: %s (%s)",
+            fault,
+            verification.in_effect,
+            verification.evidence,
+        )
+        self.ledger.record_verification(details.fault_id, verification)
+
+    def start_surge(
+        self, qps: float, duration_s: float, prompt_tokens: int, max_tokens: int
+    ) -> dict[str, Any]:
+        """Start a long-prompt surge beside the load (llmchaos.surge), as the first valid
+        tenant of the target's tokens file; returns what was started."""
+        from llmchaos.load.traffic import load_tenants
+
+        backend = self._backend()
+        tenants = (
+            [t for t in load_tenants(backend.tokens_file) if not t.revoked]
+            if (backend.tokens_file)
+            else []
+        )
+        self.stop_surge()
+        self.surge = LongPromptSurge(
+            backend.gateway_url,
+            tenants[0].token if tenants else None,
+            self.settings.traffic.model,
+            qps=qps,
+            duration_s=duration_s,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+        )
+        self.surge.start()
+        return {
+            "tenant": tenants[0].tenant if tenants else None,
+            "qps": qps,
+            "duration_s": duration_s,
+            "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens,
+        }
+
+    def stop_surge(self) -> None:
+        """Stop the surge, if any, and note what became of its requests."""
+        surge, self.surge = self.surge, None
+        if surge is not None:
+            counts = surge.stop()
+            self.notes.append(f"long-prompt surge answers: {counts}")
 
     def max_qps(self) -> float | None:
         """The most the target takes (the embedded stack's embedded_max_qps), None: no cap."""
@@ -335,6 +399,9 @@ class ChaosRun:
 
     def run_undo(self, undo: Undo) -> None:
         """Run one undo operation on the load or the target."""
+        if undo.op == "stop_surge":
+            self.stop_surge()
+            return
         if undo.op in LOAD_UNDO_OPS:
             if self.load is not None and self.load.running:
                 self.load.set_qps(float(undo.args["qps"]))

@@ -144,8 +144,9 @@ def _over(name: str, value: float | None, limit: float, unit: str) -> str | None
 
 
 def failure_message(outcome: ExperimentOutcome) -> str:
-    """Why a run did not pass, by category first ("SLO breached", "target unavailable",
-    "framework error"), then by how much, then where its run folder is."""
+    """Why a run did not pass, by category first ("SLO breached", "fault not in effect",
+    "target unavailable", "framework error"), then by how much, then where its run folder
+    is."""
     where = f"run folder {outcome.run_dir}" if outcome.run_dir else f"log {outcome.log_path}"
     result = outcome.result
     if outcome.timed_out:
@@ -157,6 +158,9 @@ def failure_message(outcome: ExperimentOutcome) -> str:
             f"{where}\n{outcome.output_tail}"
         )
     reasons = "; ".join(result.reasons) or "verdict fail"
+    not_in_effect = [r for r in result.reasons if r.startswith("fault not in effect")]
+    if not_in_effect:  # the run tested nothing: its SLO figures say nothing either way
+        return f"{'; '.join(not_in_effect)}; {where}"
     if result.journal_status == "interrupted" and not result.deviated:
         return f"target unavailable: {reasons}; {where}"
     slo = result.slo

@@ -90,6 +90,18 @@ def argument_ranges(settings: RunSettings) -> dict[str, Range]:
         "window_s": Range(0, longest_s),
         "timeout_s": Range(0, longest_s),
         "ttl_s": Range(0, 30 * _DAY_S),
+        # gray failures and resource faults
+        "slowdown": Range(1, 1000),
+        "xid": Range(1, 1000),
+        "cpu_percent": Range(0, 100 * (os.cpu_count() or 1), low_open=True),
+        "limit_mib": Range(1, 1 << 20),
+        "grow_mib_s": Range(0, 1 << 14, low_open=True),
+        "delay_ms": Range(0, 60_000),
+        "jitter_ms": Range(0, 60_000),
+        "loss_percent": Range(0, 100),
+        "rate_kbit": Range(0, 100_000_000),
+        "prompt_tokens": Range(1, 1_000_000),
+        "max_tokens": Range(1, 1_000_000),
     }
 
 

@@ -30,6 +30,8 @@ from chaoslib.experiment import ensure_experiment_is_valid
 
 from llmchaos.errors import InvalidInput
 from llmchaos.experiment_file import read_experiment
+from llmchaos.faults import DIRECTIONS
+from llmchaos.report.score import SEVERITY_POINTS
 from llmchaos.run import planned_target
 from llmchaos.settings import ERROR_CLASSES, RunSettings, argument_ranges, as_number
 from llmchaos.targets import TargetInfo, target_kind
@@ -94,6 +96,14 @@ def experiment_meta(experiment: dict[str, Any]) -> ExperimentMeta:
             f"extensions.llmchaos.severity: expected one of {', '.join(SEVERITIES)}, "
             f"got {severity!r}"
         )
+    slo_severity = entry.get("slo_severity", {})
+    if not isinstance(slo_severity, dict) or not all(
+        v in SEVERITY_POINTS for v in slo_severity.values()
+    ):
+        raise InvalidInput(
+            "extensions.llmchaos.slo_severity: expected {probe name: critical or warning} "
+            f"(the resilience score's weights), got {slo_severity!r}"
+        )
     if not isinstance(negatives, list) or not all(isinstance(v, str) for v in negatives):
         raise InvalidInput(
             f"extensions.llmchaos.negative_controls: expected a list of variants, got {negatives!r}"
@@ -153,12 +163,18 @@ def _argument_checks(info: TargetInfo, settings: RunSettings) -> dict[str, Calla
         if value not in ("", "gpu", "cpu"):
             raise InvalidInput("expected gpu, cpu or empty")
 
+    def direction(value: Any) -> None:
+        if value not in DIRECTIONS:
+            raise InvalidInput(f"expected one of {', '.join(DIRECTIONS)}")
+
     return {
         **{name: in_range(name) for name in ranges},
         "node": info.check_node,
         "gateway": info.gateway_names,
+        "part": info.part_name,
         "mode": mode,
         "classes": classes,
+        "direction": direction,
     }
 
 
@@ -250,6 +266,13 @@ def _check_activity(
                 f"{place}: partition_registry_member needs the registry in network namespaces "
                 "(run as root with netns auto or on)"
             )
+    if func_name in info.unsupported:
+        problems.append(
+            f"{place}: {func_name} cannot run on this target: {info.unsupported[func_name]}"
+        )
+    delay_reason = info.unsupported.get(f"{func_name}:delay_ms")
+    if delay_reason and any(as_number("", given.get(k, 0) or 0) for k in ("delay_ms", "jitter_ms")):
+        problems.append(f"{place}.arguments.delay_ms: {delay_reason}")
     if func_name == "drain_node" and not info.drains_supported:
         problems.append(f"{place}: drain_node needs a target with nodes to drain (a cluster)")
     if func_name == "partition_node" and not info.partitions_supported:

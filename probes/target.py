@@ -24,6 +24,7 @@ __all__ = [
     "watch_degradation",
     "watch_scale_in",
     "watch_scale_out",
+    "worker_share_after_fault",
 ]
 
 
@@ -119,3 +120,11 @@ def registry_has_leader() -> bool:
     """Whether the service registry's members know a leader now (False during an election or
     without a quorum)."""
     return measure.registry_has_leader(current_run())
+
+
+def worker_share_after_fault(worker: str, window_s: float = 0.0) -> float:
+    """Share of the requests the GPU workers' engines took over the next `window_s` seconds
+    that `worker` took (finished plus in the engine, from vLLM's metrics): did routing shift
+    load away from a slow worker? 0 before any fault, so it can sit in the steady-state
+    hypothesis."""
+    return measure.worker_share_after_fault(current_run(), worker, window_s)

@@ -38,6 +38,7 @@ class SecondStats:
         "ok",
         "output_tokens",
         "scheduled",
+        "tenant_ms",
         "tenants",
     )
 
@@ -53,6 +54,9 @@ class SecondStats:
         self.failed: Counter[str] = Counter()
         self.modes: Counter[str] = Counter()
         self.tenants: Counter[str] = Counter()
+        self.tenant_ms: dict[str, LogHistogram] = {}
+        """End-to-end latency of each tenant's answered requests (per-tenant P99: jitter
+        attributed by tenant)."""
         self.hist = {name: LogHistogram() for name in HISTOGRAMS}
 
     @property
@@ -68,6 +72,8 @@ class SecondStats:
         self.failed.update(other.failed)
         self.modes.update(other.modes)
         self.tenants.update(other.tenants)
+        for tenant, hist in other.tenant_ms.items():
+            self.tenant_ms.setdefault(tenant, LogHistogram()).merge(hist)
         for name in HISTOGRAMS:
             self.hist[name].merge(other.hist[name])
 
@@ -82,6 +88,7 @@ class SecondStats:
             "modes": dict(self.modes),
             "tenants": dict(self.tenants),
             "hist": {name: h.to_json() for name, h in self.hist.items() if h.count},
+            "tenant_hist": {tenant: h.to_json() for tenant, h in self.tenant_ms.items()},
         }
 
     @classmethod
@@ -97,6 +104,8 @@ class SecondStats:
         out.tenants.update(data["tenants"])
         for name, h in data["hist"].items():
             out.hist[name] = LogHistogram.from_json(h)
+        for tenant, h in data.get("tenant_hist", {}).items():
+            out.tenant_ms[tenant] = LogHistogram.from_json(h)
         return out
 
 
@@ -171,6 +180,10 @@ class Recorder:
             stats.modes[mode] += 1
         if tenant:
             stats.tenants[tenant] += 1
+            tenant_hist = stats.tenant_ms.get(tenant)
+            if tenant_hist is None:
+                tenant_hist = stats.tenant_ms[tenant] = LogHistogram()
+            tenant_hist.add(latency_ms)
         self.in_flight -= 1
         self._close(sec)
 

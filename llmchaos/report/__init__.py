@@ -24,12 +24,14 @@ from llmchaos.analysis import (
     read_timeline,
     recovery,
     rolling_windows,
+    tenant_latency,
 )
 from llmchaos.files import write_json_atomic, write_text_atomic
 from llmchaos.ledger import FaultEntry
 from llmchaos.redact import redact
 from llmchaos.report.chart import ChartMarks, write_recovery_chart
 from llmchaos.report.html import render_html
+from llmchaos.report.score import run_score
 from llmchaos.report.summary import RunResult, probe_output, verdict_of
 from llmchaos.settings import RunSettings
 
@@ -124,8 +126,22 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
     source = "probe" if recovery_time is not None else None
     if recovery_time is None and rec is not None and rec.recovered:
         recovery_time, source = rec.recovery_time_s, "timeline"
-    verdict, reasons = verdict_of(journal, facts.guard, facts.interrupted_because)
     origin = facts.load_start_ts or (records[0].ts if records else facts.started_at)
+    faults = [
+        {
+            "fault": f.fault,
+            "target": f.target,
+            "at": f.at,
+            "at_s": round(f.at - origin, 3),
+            "state": f.state,
+            "details": f.details,
+            "error": f.error,
+            "in_effect": f.in_effect,
+            "evidence": f.evidence,
+        }
+        for f in facts.faults
+    ]
+    verdict, reasons = verdict_of(journal, facts.guard, facts.interrupted_because, faults)
     result = RunResult(
         experiment=facts.name,
         title=facts.title,
@@ -164,18 +180,7 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
             "window_s": s.window_s,
             "stable_for_s": s.stable_for_s,
         },
-        faults=[
-            {
-                "fault": f.fault,
-                "target": f.target,
-                "at": f.at,
-                "at_s": round(f.at - origin, 3),
-                "state": f.state,
-                "details": f.details,
-                "error": f.error,
-            }
-            for f in facts.faults
-        ],
+        faults=faults,
         load=facts.load_summary,
         load_start_ts=facts.load_start_ts,
         started_at=facts.started_at,
@@ -184,6 +189,13 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
         notes=list(facts.notes),
         rebuilt=facts.rebuilt,
         target_recovery=facts.target_recovery,
+        score=None if any(r.startswith("fault not") for r in reasons) else run_score(journal),
+        tenants={
+            "whole_run": tenant_latency(records),
+            "since_fault": tenant_latency(records, min(fault_times)) if fault_times else {},
+        }
+        if records
+        else None,
     )
     run_dir = facts.run_dir
     if journal is not None:

@@ -101,6 +101,10 @@ def _load_table(load: dict[str, Any] | None) -> str:
     return f"<p>{html.escape(rates)}</p><table>{head}</tr>{rows}</table>"
 
 
+_IN_EFFECT = {True: "yes", False: '<span class="badge fail">NO</span>', None: "not checked"}
+"""How the faults table says whether the check after the injection saw the fault in effect."""
+
+
 def _cell(value: Any) -> str:
     return (
         "-"
@@ -132,6 +136,27 @@ def _recovery_table(facts: dict[str, Any] | None) -> str:
     )
 
 
+def _tenant_table(tenants: dict[str, Any] | None) -> str:
+    """Each tenant's P50/P99 over the whole run and since the fault (jitter attribution)."""
+    whole = (tenants or {}).get("whole_run") or {}
+    if not whole:
+        return ""
+    since = (tenants or {}).get("since_fault") or {}
+    rows = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{v['requests']}</td>"
+        f"<td>{_cell(v['p50_ms'])}</td><td>{_cell(v['p99_ms'])}</td>"
+        f"<td>{_cell((since.get(name) or {}).get('requests'))}</td>"
+        f"<td>{_cell((since.get(name) or {}).get('p99_ms'))}</td></tr>"
+        for name, v in whole.items()
+    )
+    return (
+        "<h2>Tenants</h2><p class=muted>End-to-end latency by tenant (ms, from the scheduled "
+        "send time): whose requests the fault hurt.</p><table><tr><th>tenant</th>"
+        "<th>requests</th><th>p50</th><th>p99</th><th>requests since fault</th>"
+        f"<th>p99 since fault</th></tr>{rows}</table>"
+    )
+
+
 def render_html(
     result: RunResult,
     journal: dict[str, Any] | None,
@@ -152,7 +177,9 @@ def render_html(
     )
     faults = "".join(
         f"<tr><td>{f['at_s']:.1f} s</td><td>{html.escape(f['fault'])}</td>"
-        f"<td>{html.escape(f['target'])}</td><td>{html.escape(f['state'])}</td></tr>"
+        f"<td>{html.escape(f['target'])}</td><td>{html.escape(f['state'])}</td>"
+        f"<td>{_IN_EFFECT[f.get('in_effect')]}</td>"
+        f"<td>{html.escape(f.get('evidence') or '-')}</td></tr>"
         for f in r.faults
     )
     reasons = "".join(f"<li>{html.escape(reason)}</li>" for reason in r.reasons)
@@ -181,8 +208,10 @@ def render_html(
 <h2>Load</h2>
 {_load_table(r.load)}
 <h2>Faults</h2>
-<table><tr><th>at</th><th>fault</th><th>target</th><th>state</th></tr>{faults}</table>
+<table><tr><th>at</th><th>fault</th><th>target</th><th>state</th><th>in effect</th>
+<th>evidence</th></tr>{faults}</table>
 {_recovery_table(r.target_recovery)}
+{_tenant_table(r.tenants)}
 <h2>Steady-state probes</h2>
 {_probe_rows(journal, settings)}
 {f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}

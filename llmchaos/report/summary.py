@@ -3,8 +3,10 @@
 The verdict follows Chaos Toolkit's own outcome, made strict: a run passes only when the
 journal is `completed`, did not deviate, met the steady state *before* the method (Chaos
 Toolkit skips the method and exits 0 otherwise), every activity of the method succeeded (a
-fault that failed to go in proves nothing, and Chaos Toolkit still says `completed`), and the
-safety guard did not abort it.
+fault that failed to go in proves nothing, and Chaos Toolkit still says `completed`), every
+fault was seen in effect after it went in ("fault not in effect: <evidence>" otherwise: a
+fault that silently did nothing proves nothing either), and the safety guard did not abort
+it.
 The figures come from the load's timeline (post-run analysis), except the recovery time,
 which is the recovery probe's output when the experiment has one (what the tolerance judged).
 """
@@ -73,10 +75,17 @@ class RunResult:
     rebuilt: str | None = None
     """"rebuilt after the run was killed at <phase>" when `llmchaos cleanup` wrote this
     report from the run folder, after the run itself could not."""
+    tenants: dict[str, Any] | None = None
+    """Per-tenant latency (seed: jitter attributed by tenant): {"whole_run": {tenant:
+    {"requests", "p50_ms", "p99_ms"}}, "since_fault": {...}} from the load's timeline."""
     target_recovery: dict[str, Any] | None = None
     """The target's own account of the recovery, in Krkn's terms: {"recovered": [{"name",
     "node", "rescheduling_time_s", "readiness_time_s", "total_recovery_time_s"}],
     "unrecovered": [...]} for each part that died after the first fault."""
+    score: dict[str, Any] | None = None
+    """The resilience score (llmchaos.report.score, Krkn's): {"percent", "points", "total",
+    "slos": [{"name", "severity", "passed"}]}; None when no SLO was judged or a fault did not
+    go in or take effect (the run tested nothing)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,7 +117,29 @@ class RunResult:
             ("frame drops", _fmt(self.frame_drops)),
             ("CPU mode", _fmt(self.cpu_mode_s, " s") + f", {_fmt(self.cpu_answers)} CPU answers"),
             ("back on GPU after", _fmt(self.gpu_return_s, " s")),
+            ("worst tenant p99", self._worst_tenant()),
+            ("resilience score", self.score_line()),
         ]
+
+    def score_line(self) -> str:
+        """ "83% (5 of 6 points; lost: p99-latency-within-slo (warning))", or why unscored."""
+        if self.score is None:
+            return "- (not scored: no SLO judged, or the fault did not take effect)"
+        lost = [f"{s['name']} ({s['severity']})" for s in self.score["slos"] if not s["passed"]]
+        return (
+            f"{self.score['percent']:g}% ({self.score['points']} of {self.score['total']} points"
+            + (f"; lost: {', '.join(lost)})" if lost else ")")
+        )
+
+    def _worst_tenant(self) -> str:
+        """The tenant with the highest P99 since the fault (the whole run when no fault)."""
+        by_tenant = (self.tenants or {}).get("since_fault") or (self.tenants or {}).get("whole_run")
+        ranked = [(v["p99_ms"], t) for t, v in (by_tenant or {}).items() if v["p99_ms"]]
+        if not ranked:
+            return "-"
+        p99_ms, tenant = max(ranked)
+        spread = min(p for p, _ in ranked)
+        return f"{p99_ms:.0f} ms ({tenant}; best tenant {spread:.0f} ms)"
 
     def table(self) -> str:
         """A short plain-text table for the terminal."""
@@ -159,10 +190,19 @@ def hypothesis_outcome(journal: dict[str, Any] | None, phase: str) -> tuple[bool
 
 
 def verdict_of(
-    journal: dict[str, Any] | None, guard: str | None, interrupted_because: str | None = None
+    journal: dict[str, Any] | None,
+    guard: str | None,
+    interrupted_because: str | None = None,
+    faults: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[str]]:
-    """pass/fail and the reasons; see the module docstring."""
+    """pass/fail and the reasons; see the module docstring. `faults` as summary.json lists
+    them (with "in_effect" and "evidence" from the ledger)."""
     reasons = [interrupted_because] if interrupted_because else []
+    for fault in faults or []:
+        if fault.get("in_effect") is False:
+            reasons.append(
+                f"fault not in effect: {fault['fault']}({fault['target']}): {fault['evidence']}"
+            )
     if journal is None:
         reasons.append("the experiment did not run to its end (no journal)")
     else:

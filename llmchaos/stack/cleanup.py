@@ -1,8 +1,9 @@
 """`llmchaos cleanup`: remove what crashed or killed stacks left behind, and nothing else.
 
 Found by marks, not by memory: processes by their `LLMCHAOS_STACK` environment marker (and
-redis-server by its working directory), namespaces and veth ends by the stack's short id in
-their names, state folders by their owner and topology files. Each stack is then judged by
+redis-server by its working directory), namespaces, veth ends and the resource faults'
+cgroups by the stack's short id in their names, state folders by their owner and topology
+files. Each stack is then judged by
 its owner (`owner.json`, or the processes' `LLMCHAOS_STACK_OWNER` marker):
 
 - a chaos run's stack goes when that run's process is gone, and stays while it lives (two
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from llmchaos.errors import InvalidInput
 from llmchaos.processes import Owner
-from llmchaos.stack import netns
+from llmchaos.stack import cgroups, netns
 from llmchaos.stack.procs import (
     STACK_ID_PATTERN,
     find_stack_processes,
@@ -61,10 +62,12 @@ class StackLeftovers:
     processes: list[int] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)
+    """Folders of the stack's cgroups (CPU throttling, memory limits)."""
 
     @property
     def empty(self) -> bool:
-        return not (self.processes or self.namespaces or self.links)
+        return not (self.processes or self.namespaces or self.links or self.cgroups)
 
     def keep_because(self) -> str | None:
         """Why cleanup must leave this stack alone; None when it is garbage."""
@@ -99,6 +102,7 @@ class StackLeftovers:
             f"processes {' '.join(map(str, self.processes)) or '-'}",
             f"namespaces {' '.join(self.namespaces) or '-'}",
             f"veth links {' '.join(self.links) or '-'}",
+            *([f"cgroups {' '.join(self.cgroups)}"] if self.cgroups else []),
         ]
         return f"stack {self.stack_id} ({self.status}): " + "; ".join(parts)
 
@@ -136,16 +140,21 @@ def leftovers(stack_id: str) -> StackLeftovers:
         processes=find_stack_processes(stack_id),
         namespaces=netns.list_namespaces(short_id),
         links=netns.list_links(short_id),
+        cgroups=[str(g.path) for g in cgroups.list_ours(short_id + "-")],
     )
 
 
 def remove_leftovers(found: StackLeftovers) -> None:
-    """Stop the processes, then delete the namespaces (their rules go with them) and links."""
+    """Stop the processes, then delete the namespaces (their rules go with them), links and
+    cgroups."""
     stop_pids(found.processes, grace_s=2.0)
     for name in found.namespaces:
         netns.delete_namespace(name)
     for link in found.links:
         netns.delete_link(link)
+    for group in cgroups.list_ours():
+        if str(group.path) in found.cgroups:
+            cgroups.remove(group)
 
 
 def find_stacks(state_root: Path) -> dict[str, StackLeftovers]:
@@ -170,6 +179,9 @@ def find_stacks(state_root: Path) -> dict[str, StackLeftovers]:
     for link in netns.list_links():
         short = netns.short_id_of(link)
         stack(by_short.get(short, f"?{short}")).links.append(link)
+    for path in sorted({str(g.path) for g in cgroups.list_ours()}):
+        short = Path(path).name.removeprefix(cgroups.CGROUP_PREFIX)[:4]
+        stack(by_short.get(short, f"?{short}")).cgroups.append(path)
     for found in stacks.values():
         if found.state_dir is None:
             continue

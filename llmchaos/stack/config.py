@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from llmchaos.errors import InvalidInput
-from llmchaos.stack.settings import CacheSettings, GatewaySettings
+from llmchaos.stack.settings import CacheSettings, EngineProfile, GatewaySettings
 
 __all__ = [
     "DEFAULT_VARIANT",
@@ -52,6 +52,15 @@ class Variant:
     endpoint_cache: bool = True
     """Whether gateways that find their workers in the registry keep serving the last ones
     found when it cannot be read."""
+    health_check_timeout: bool = True
+    """Whether the gateways' active health checks have a timeout (else a hung worker's check
+    never ends, and the worker stays healthy in their eyes)."""
+    passive_ejection: bool = True
+    """Whether gateways eject a worker whose requests fail (5xx, broken streams, timeouts)."""
+    round_robin: bool = False
+    """Whether gateways spread requests in turn instead of to the least outstanding worker."""
+    gpu_kv_cache_tokens: int | None = None
+    """KV-cache budget of the GPU workers; None: the GPU profile's."""
 
     def gateway_settings(self, base: GatewaySettings) -> GatewaySettings:
         """`base` with this variant's gateway behaviour applied."""
@@ -64,7 +73,16 @@ class Variant:
                 base.degradation, queue_rule=self.degradation_queue_rule
             ),
             discovery=dataclasses.replace(base.discovery, keep_last_known=self.endpoint_cache),
+            health_timeout_s=base.health_timeout_s if self.health_check_timeout else 0.0,
+            passive_ejection=self.passive_ejection,
+            round_robin=self.round_robin,
         )
+
+    def gpu_profile(self, base: EngineProfile) -> EngineProfile:
+        """`base` (the GPU profile) with this variant's engine sizing applied."""
+        if self.gpu_kv_cache_tokens is None:
+            return base
+        return dataclasses.replace(base, kv_cache_tokens=self.gpu_kv_cache_tokens)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -112,6 +130,30 @@ VARIANTS: dict[str, Variant] = {
             "gateways spread requests over every GPU worker, dead, loading or partitioned, and "
             "never retry: a Service without readiness probes",
             failover=False,
+        ),
+        Variant(
+            "no-health-timeout",
+            "gateways' active health checks have no timeout: a hung worker's check never ends "
+            "and it stays healthy; only requests timing out (6 s) eject it, for 5 s each time",
+            health_check_timeout=False,
+        ),
+        Variant(
+            "no-passive-ejection",
+            "gateways never eject a worker for failed requests: one whose health check passes "
+            "while its GPU fails (Xid) keeps its share of the traffic",
+            passive_ejection=False,
+        ),
+        Variant(
+            "round-robin",
+            "gateways spread requests in turn over the healthy workers instead of to the one "
+            "with the fewest outstanding: a slow GPU keeps half of the traffic",
+            round_robin=True,
+        ),
+        Variant(
+            "small-kv-cache",
+            "GPU workers with a fifth of the KV cache (40,000 tokens: a too low "
+            "--gpu-memory-utilization): a long-prompt surge preempts and queues",
+            gpu_kv_cache_tokens=40_000,
         ),
     )
 }

@@ -224,6 +224,8 @@ class Engine:
         self._finished_total = 0
         self._aborted_total = 0
         self._steps_total = 0
+        self.step_factor = 1.0
+        """Every step's cost is multiplied by this (a slowed-down GPU: llmchaos.stack.gpu_fault)."""
 
     async def __aenter__(self) -> Engine:
         self.start()
@@ -317,6 +319,7 @@ class Engine:
             else:
                 cost_ms = profile.decode_base_ms
             cost_ms += profile.decode_ms_per_seq * len(decoding)
+            cost_ms *= self.step_factor
             now = loop.time()
             start = step_end if now - step_end < _MAX_LAG_S else now
             step_end = start + cost_ms / 1000.0

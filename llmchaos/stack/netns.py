@@ -3,9 +3,11 @@
 Each node gets a namespace `llmc-<short id>-<node>` joined to the host by a veth pair
 `lc<short id>-<i>h` (host side) / `lc<short id>-<i>n` (namespace side) on a /30 of
 10.203.K.0/24, K chosen so it collides with no address or route on the host. Traffic to a node
-never leaves the machine. A partition is a DROP rule (both directions, loopback spared) in the
-node's own namespace, so clients see timeouts rather than refusals, and deleting the namespace
-deletes the rules with it.
+never leaves the machine. A partition is a DROP rule (both directions, or one: a partial
+partition, loopback spared) in the node's own namespace, so clients see timeouts rather than
+refusals, and deleting the namespace deletes the rules with it. Random packet loss is the
+same rule with the `statistic` match (a share of the packets). Each rule's packet counter
+(`rule_packets`) is the evidence that it drops what it should.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ipaddress
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -32,6 +35,7 @@ __all__ = [
     "delete_link",
     "delete_namespace",
     "delete_node_network",
+    "drop_share",
     "heal_partition",
     "is_partitioned",
     "list_links",
@@ -39,13 +43,16 @@ __all__ = [
     "namespace_age_s",
     "partition_namespace",
     "pick_subnet",
+    "rule_packets",
     "short_id_of",
+    "undrop_share",
 ]
 
 NETNS_PREFIX = "llmc-"
 """Every namespace the stack creates starts with this; `llmchaos cleanup` removes them all."""
 _LINK_PATTERN = re.compile(r"lc[0-9a-f]{4}-\d+[hn]")
 _PARTITION_COMMENT = "llmchaos-partition"
+_LOSS_COMMENT = "llmchaos-loss"
 _SUBNET_BASE = ipaddress.ip_network("10.203.0.0/16")
 
 
@@ -268,31 +275,80 @@ def _iptables(netns: str, *args: str, check: bool = True) -> subprocess.Complete
     return _run(["ip", "netns", "exec", netns, "iptables", "-w", *args], check=check)
 
 
-_RULES = (
-    ("INPUT", "!", "-i", "lo"),
-    ("OUTPUT", "!", "-o", "lo"),
-)
+_CHAINS = {"ingress": ("INPUT", "-i"), "egress": ("OUTPUT", "-o")}
+"""Traffic into the node (INPUT, by incoming interface) and out of it (OUTPUT)."""
 
 
-def partition_namespace(netns: str) -> None:
-    """Drop every packet in and out of `netns` except on its loopback. Idempotent."""
-    for chain, *match in _RULES:
-        spec = [*match, "-m", "comment", "--comment", _PARTITION_COMMENT, "-j", "DROP"]
-        if _iptables(netns, "-C", chain, *spec, check=False).returncode != 0:
-            _iptables(netns, "-I", chain, "1", *spec)
+def _directions(direction: str) -> tuple[str, ...]:
+    if direction == "both":
+        return ("ingress", "egress")
+    if direction not in _CHAINS:
+        raise InvalidInput(f"direction: expected both, ingress or egress, got {direction!r}")
+    return (direction,)
+
+
+def _rule(direction: str, comment: str, share: float | None = None) -> tuple[str, list[str]]:
+    """(chain, rule spec): DROP on every interface but loopback, of a random `share` of the
+    packets when given."""
+    chain, interface = _CHAINS[direction]
+    spec = ["!", interface, "lo"]
+    if share is not None:
+        spec += ["-m", "statistic", "--mode", "random", "--probability", f"{share:.6f}"]
+    return chain, [*spec, "-m", "comment", "--comment", comment, "-j", "DROP"]
+
+
+def _add(netns: str, chain: str, spec: list[str]) -> None:
+    if _iptables(netns, "-C", chain, *spec, check=False).returncode != 0:
+        _iptables(netns, "-I", chain, "1", *spec)
+
+
+def _delete_commented(netns: str, comment: str) -> None:
+    """Every rule of the filter table carrying `comment`, whatever its match."""
+    for line in _iptables(netns, "-S", check=False).stdout.splitlines():
+        if f"--comment {comment} " in line + " " and line.startswith("-A "):
+            _iptables(netns, "-D", *shlex.split(line)[1:], check=False)
+
+
+def partition_namespace(netns: str, direction: str = "both") -> None:
+    """Drop every packet into and/or out of `netns` except on its loopback. Idempotent."""
+    for side in _directions(direction):
+        _add(netns, *_rule(side, _PARTITION_COMMENT))
 
 
 def heal_partition(netns: str) -> None:
-    """Remove the partition rules from `netns`. Idempotent."""
-    for chain, *match in _RULES:
-        spec = [*match, "-m", "comment", "--comment", _PARTITION_COMMENT, "-j", "DROP"]
-        while _iptables(netns, "-C", chain, *spec, check=False).returncode == 0:
-            _iptables(netns, "-D", chain, *spec)
+    """Remove the partition rules from `netns`, whatever their direction. Idempotent."""
+    _delete_commented(netns, _PARTITION_COMMENT)
 
 
 def is_partitioned(netns: str) -> bool:
     """True when `netns` holds a partition rule."""
     return _PARTITION_COMMENT in _iptables(netns, "-S", check=False).stdout
+
+
+def drop_share(netns: str, share: float, direction: str) -> None:
+    """Drop a random `share` (0..1) of the packets into and/or out of `netns` (iptables'
+    statistic match): packet loss. Replaces an earlier loss rule."""
+    undrop_share(netns)
+    for side in _directions(direction):
+        _add(netns, *_rule(side, _LOSS_COMMENT, share))
+
+
+def undrop_share(netns: str) -> None:
+    """Remove the loss rules of `netns`. Idempotent."""
+    _delete_commented(netns, _LOSS_COMMENT)
+
+
+def rule_packets(netns: str, kind: str) -> dict[str, int]:
+    """Packets dropped so far by our `kind` rules ("partition" or "loss") in `netns`, by
+    chain; {} when there are none (or no such namespace)."""
+    comment = {"partition": _PARTITION_COMMENT, "loss": _LOSS_COMMENT}[kind]
+    counts: dict[str, int] = {}
+    for chain in ("INPUT", "OUTPUT"):
+        listed = _iptables(netns, "-L", chain, "-v", "-x", "-n", check=False).stdout
+        for line in listed.splitlines():
+            if f"/* {comment} */" in line:
+                counts[chain] = counts.get(chain, 0) + int(line.split()[0])
+    return counts
 
 
 def list_namespaces(short_id: str | None = None) -> list[str]:

@@ -249,14 +249,25 @@ class GatewaySettings:
     health_interval_s: float = 1.0
     """Active health check period per worker (GET /healthz)."""
     health_timeout_s: float = 0.5
-    """Timeout of one active health check."""
+    """Timeout of one active health check; 0: none (the `no-health-timeout` variant: a hung
+    worker's check never ends, so it keeps its last verdict, healthy)."""
     health_timeouts_to_fail: int = 2
     """Consecutive active-check timeouts before a worker counts as down (a refusal or a
     not-ready answer counts at once): one timeout can be the gateway's own event-loop lag in a
     burst, and would take every worker out at the same moment."""
     eject_s: float = 5.0
-    """Passive health: a worker that failed a request is skipped this long (unless it passes an
-    active check first)."""
+    """Passive health: a worker that failed a request is skipped this long, times the number of
+    times in a row it was ejected for a bad answer (Envoy's outlier detection). An active check
+    that passes readmits it early only when it was ejected for not answering (a connect error
+    or a timeout): a worker that answered 500 or broke a stream while its /healthz says ready
+    is a gray failure its health check cannot see."""
+    passive_ejection: bool = True
+    """Eject workers on failed requests (passive health). Off: the `no-passive-ejection`
+    variant, where only the active checks judge a worker, so one that passes them while it
+    fails inference keeps its share of the traffic."""
+    round_robin: bool = False
+    """Spread requests in turn over the healthy workers instead of to the one with the fewest
+    outstanding: the `round-robin` variant, blind to a worker that is slow without failing."""
     connect_timeout_s: float = 1.0
     """Upstream connect timeout; a partitioned node shows as a connect timeout."""
     first_byte_timeout_s: float = 6.0

@@ -423,6 +423,7 @@ def _start_nodes(
     subnet: ipaddress.IPv4Network | None,
     replicas_path: Path | None = None,
 ) -> list[NodeInfo]:
+    variant = get_variant(config.variant)
     short_id = stack_id[-4:]
     nodes = []
     for index, (node, workers) in enumerate(node_layout(config)):
@@ -434,7 +435,7 @@ def _start_nodes(
         infos = []
         for worker_index, (name, mode) in enumerate(workers):
             port = WORKER_PORT + worker_index if net else free_port()
-            base = GPU_PROFILE if mode == "gpu" else CPU_PROFILE
+            base = variant.gpu_profile(GPU_PROFILE) if mode == "gpu" else CPU_PROFILE
             if mode == "gpu" and config.gpu_max_num_seqs is not None:
                 base = replace(base, max_num_seqs=config.gpu_max_num_seqs)
             load_s = config.gpu_load_s if mode == "gpu" else config.cpu_load_s

@@ -6,7 +6,7 @@ Endpoints: POST /v1/chat/completions and /v1/completions (plain and SSE, vLLM's 
 generation.py), GET /v1/models, GET /healthz (503 `loading` for `profile.load_s` after start,
 the port already listening), GET /health (vLLM's: 200 empty once ready, 503 while loading),
 GET /version, GET /metrics (vLLM's metric names), GET /gpu/processes (nvidia-smi's view: this
-process holds the GPU). Every
+process holds the GPU), and the fault modes' control endpoints (llmchaos.stack.gpu_fault). Every
 response carries `X-Serving-Mode` and `X-Worker`; every error is an OpenAI error body, never a
 traceback. SIGTERM or SIGINT: stop listening, abort what runs, exit 0 within about a second.
 """
@@ -43,6 +43,7 @@ from prometheus_client.registry import Collector
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.stack.engine import Engine, EngineStopped, Sequence, SequenceResult, check_profile
 from llmchaos.stack.generation import ChoicePlan, StreamChunks, completion_body, plan_choices
+from llmchaos.stack.gpu_fault import GpuFault, add_fault_routes
 from llmchaos.stack.openai_api import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -175,6 +176,7 @@ class _Worker:
 
 
 _WORKER = web.AppKey("worker", _Worker)
+_GPU_FAULT = web.AppKey("gpu_fault", GpuFault)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -201,6 +203,7 @@ def make_app(settings: WorkerSettings) -> web.Application:
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/gpu/processes", _gpu_processes)
+    add_fault_routes(app, _GPU_FAULT)
     return app
 
 
@@ -215,10 +218,12 @@ async def _start(app: web.Application, settings: WorkerSettings) -> None:
         ready_at=loop.time() + settings.profile.load_s,
         created_unix_s=int(time.time()),
     )
+    app[_GPU_FAULT] = GpuFault(engine)
 
 
 async def _stop(app: web.Application) -> None:
     # Runs before aiohttp waits for in-flight handlers: aborting their sequences lets them end.
+    app[_GPU_FAULT].close()
     await app[_WORKER].engine.close()
 
 
@@ -271,9 +276,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             prompt = prompt_tokens[plan.prompt_index]
             seqs.append(worker.engine.submit(prompt, plan.tokens, stream=generation.stream))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{worker.settings.name}-{seqs[0].seq_id}"
+        fault = request.app[_GPU_FAULT]
         if generation.stream:
-            return await _stream(request, worker, generation, request_id, plans, seqs)
-        return await _complete(worker, generation, request_id, plans, seqs)
+            return await _stream(request, worker, generation, request_id, plans, seqs, fault)
+        response = await _complete(worker, generation, request_id, plans, seqs)
+        if fault.breaks_inference:
+            raise fault.error()
+        return response
     except EngineStopped:
         raise _stopping(worker) from None
     finally:
@@ -341,6 +350,7 @@ async def _stream(
     request_id: str,
     plans: list[ChoicePlan],
     seqs: list[Sequence],
+    fault: GpuFault,
 ) -> web.StreamResponse:
     chunks = StreamChunks(generation, request_id, sum(generation.prompt_tokens))
     response = web.StreamResponse(
@@ -370,6 +380,9 @@ async def _stream(
             sent[k] += n_tokens
             if out:
                 await response.write(out)
+            if fault.breaks_inference and request.transport is not None:
+                request.transport.close()  # cut without the stream's end, as the engine died
+                return response
         results = [await seq for seq in seqs]
         if any(r.finish_reason == "abort" for r in results):
             await response.write(b"data: " + json.dumps(_stopping(worker).body()).encode())

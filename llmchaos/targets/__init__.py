@@ -4,7 +4,8 @@
     settings = kind.settings(configuration, environ)
     info = kind.plan(settings)                     # names, checked before anything changes
     target = kind.open(settings, owner)            # start it (embedded) or connect to it
-    target.kill_gpu_process("gpu-0")               # faults; each undone by an op in UNDO_OPS
+    details = target.kill_gpu_process("gpu-0")     # faults; each undone by an op in UNDO_OPS
+    target.verify("kill_gpu_process", details)     # did it take effect? (Verification)
     target.undo("heal_partition", {"node": "node-a"})
     target.close()                                 # stop what open() started
     kind.finish_dead_run(record, ledger)           # a killed run's open faults
@@ -23,6 +24,7 @@ knows nothing of the run (no ledger writes, no load, no Chaos Toolkit).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -32,7 +34,7 @@ from typing import Any, ClassVar
 
 from llmchaos.configuration import build_settings, settings_from_record, settings_keys
 from llmchaos.errors import InvalidInput
-from llmchaos.ledger import FaultLedger, Undo
+from llmchaos.ledger import FaultLedger, Undo, Verification
 from llmchaos.processes import Owner
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "TargetInfo",
     "TargetKind",
     "TargetSettings",
+    "Verification",
     "WorkerRef",
     "register_kind",
     "target_kind",
@@ -108,6 +111,10 @@ class TargetInfo:
     aliases: dict[str, str] = field(default_factory=dict)
     """The embedded stack's names (gpu-0, node-a, primary) for this target's own ones (pod
     and node names), so the catalogue runs unchanged on a cluster."""
+    unsupported: dict[str, str] = field(default_factory=dict)
+    """Faults this target cannot inject here, each with the reason (the cluster API has no
+    way to make a GPU throw Xid errors; this kernel has no netem): validation refuses an
+    experiment that uses one before anything starts."""
 
     def _real(self, name: str) -> str:
         """A real name stays itself (a cluster node may well be called node-a)."""
@@ -171,6 +178,20 @@ class TargetInfo:
         """Raises InvalidInput when `node` is not a node of the target."""
         self.node_name(node)
 
+    def part_name(self, part: str) -> str:
+        """The real name of a worker or a gateway (primary, backup or a name); raises
+        InvalidInput listing both."""
+        workers = [w.name for w in self.workers]
+        if self._real(part) in workers:
+            return self._real(part)
+        if part != "all":
+            with contextlib.suppress(InvalidInput):
+                return self.gateway_names(part)[0]
+        raise InvalidInput(
+            f"part: expected a worker ({', '.join(workers)}) or a gateway (primary, backup, "
+            f"{', '.join(self.gateways)}), got {part!r}"
+        )
+
     def gateway_names(self, gateway: str) -> list[str]:
         """Gateways selected by role or name: "primary", "all", or a gateway name."""
         if gateway == "all":
@@ -230,7 +251,17 @@ class Target(ABC):
     """
 
     UNDO_OPS: ClassVar[frozenset[str]] = frozenset(
-        {"heal_partition", "restore_gateway", "restart_registry_member", "heal_registry_member"}
+        {
+            "heal_partition",
+            "restore_gateway",
+            "restart_registry_member",
+            "heal_registry_member",
+            "resume_gpu_process",
+            "clear_gpu_fault",
+            "unthrottle_cpu",
+            "unlimit_memory",
+            "restore_network",
+        }
     )
     """Methods the ledger may call to undo a fault."""
 
@@ -263,12 +294,13 @@ class Target(ABC):
         """SIGKILL the process holding worker's GPU; returns {"worker", "pid", ...}."""
 
     @abstractmethod
-    def partition_node(self, node: str) -> None:
-        """Drop all traffic in and out of `node` (both directions). Idempotent."""
+    def partition_node(self, node: str, direction: str = "both") -> None:
+        """Drop traffic of `node`: "both" ways, only "ingress" (into it) or only "egress" (out
+        of it: a partial, one-way partition). Idempotent."""
 
     @abstractmethod
     def heal_partition(self, node: str) -> None:
-        """Undo partition_node. Idempotent."""
+        """Undo partition_node, whatever its direction. Idempotent."""
 
     @abstractmethod
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
@@ -315,6 +347,85 @@ class Target(ABC):
         """Delete every cached token (ttl_s = 0) or set its TTL to `ttl_s`; returns the
         number of keys touched."""
 
+    # Gray failures and resource faults: each raises InvalidInput on targets that cannot
+    # inject it (TargetInfo.unsupported says why, before the run); their undos do nothing
+    # there (nothing was done).
+    def hang_gpu_process(self, worker: str) -> dict[str, Any]:
+        """SIGSTOP the process holding worker's GPU (a hung GPU: the process is there, its
+        port accepts connections, nothing answers); undo: resume_gpu_process."""
+        raise self._unsupported("hang_gpu_process")
+
+    def resume_gpu_process(self, worker: str) -> None:
+        """SIGCONT what hang_gpu_process stopped. Idempotent."""
+        return  # where the fault cannot be injected there is nothing to undo
+
+    def gpu_errors(self, worker: str, xid: int) -> dict[str, Any]:
+        """Make worker's GPU fail inference while its health checks still pass (as after an
+        Xid error): plain requests get 500, streams break after their first token; undo:
+        clear_gpu_fault."""
+        raise self._unsupported("gpu_errors")
+
+    def slow_gpu(self, worker: str, factor: float) -> dict[str, Any]:
+        """Make every engine step of worker `factor` times slower, without errors (a GPU
+        throttling its clocks); undo: clear_gpu_fault."""
+        raise self._unsupported("slow_gpu")
+
+    def clear_gpu_fault(self, worker: str) -> None:
+        """Undo gpu_errors and slow_gpu. Idempotent."""
+        return  # where the fault cannot be injected there is nothing to undo
+
+    def throttle_cpu(self, part: str, cpu_percent: float) -> dict[str, Any]:
+        """Cap a worker's or gateway's CPU at `cpu_percent` of one CPU with the kernel's CFS
+        bandwidth control (cgroup v2 cpu.max, v1 cpu.cfs_quota_us); undo: unthrottle_cpu."""
+        raise self._unsupported("throttle_cpu")
+
+    def unthrottle_cpu(self, part: str) -> None:
+        """Undo throttle_cpu. Idempotent."""
+        return  # where the fault cannot be injected there is nothing to undo
+
+    def oom_kill_worker(self, worker: str, limit_mib: float, grow_mib_s: float) -> dict[str, Any]:
+        """Put a memory limit of `limit_mib` on the worker's process (cgroup v2 memory.max, v1
+        memory.limit_in_bytes) while it grows by `grow_mib_s` a second, until the kernel's OOM
+        killer kills it; undo: unlimit_memory."""
+        raise self._unsupported("oom_kill_worker")
+
+    def unlimit_memory(self, worker: str) -> None:
+        """Undo oom_kill_worker (remove the limit; a process still growing stops).
+        Idempotent."""
+        return  # where the fault cannot be injected there is nothing to undo
+
+    def degrade_network(
+        self,
+        node: str,
+        delay_ms: float,
+        jitter_ms: float,
+        loss_percent: float,
+        rate_kbit: float,
+        direction: str,
+    ) -> dict[str, Any]:
+        """Latency, jitter, loss and a bandwidth cap on `node`'s link (tc netem and tbf, Chaos
+        Mesh NetworkChaos's delay/loss/bandwidth); undo: restore_network."""
+        raise self._unsupported("degrade_network")
+
+    def restore_network(self, node: str) -> None:
+        """Undo degrade_network. Idempotent."""
+        return  # where the fault cannot be injected there is nothing to undo
+
+    def _unsupported(self, fault: str) -> InvalidInput:
+        reason = self.info().unsupported.get(fault, "not implemented for this kind of target")
+        return InvalidInput(f"{fault}: the {type(self).__name__} cannot do it: {reason}")
+
+    def verify(self, fault: str, details: dict[str, Any]) -> Verification:
+        """Whether `fault`, injected with `details` (what its method returned), took effect:
+        the target's `verify_<fault>` method, which looks at the target itself (process
+        states, packet counters, qdiscs, cgroup counters, keys), waiting a few seconds where
+        evidence needs traffic. A target without one says it cannot tell."""
+        check = getattr(self, f"verify_{fault}", None)
+        if check is None:
+            return Verification(None, f"{type(self).__name__} has no check for {fault}")
+        result: Verification = check(details)
+        return result
+
     # -- readings ------------------------------------------------------------------------
     @abstractmethod
     def queue_depth(self) -> float:
@@ -334,6 +445,18 @@ class Target(ABC):
         `service_degraded_total`); 0 from a gateway that does not answer. InvalidInput on
         targets whose gateways cannot be read."""
         raise InvalidInput(f"{type(self).__name__}: cannot read the gateways' metric {name!r}")
+
+    def requests_taken(self) -> dict[str, float] | None:
+        """Requests each worker's engine has taken so far, by worker name: those it finished
+        (vLLM's vllm:request_success) plus those in it now (running and waiting); None when
+        the target cannot read them."""
+        return None
+
+    def engine_stats(self) -> dict[str, float] | None:
+        """The engines' KV-cache pressure now: {"kv_cache_usage_max" (0..1, the fullest
+        engine), "preemptions_total", "waiting"} from vLLM's metrics; None when the target
+        cannot read them."""
+        return None
 
     def kv_cache_usage(self) -> float | None:
         """The fullest KV cache among the engines that export it (0..1; vLLM:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from llmchaos.errors import StackError
 from llmchaos.files import write_json_atomic
+from llmchaos.ledger import Verification
 from llmchaos.load import LoadConfig, Summary
 from llmchaos.load.aggregate import Aggregate
 from llmchaos.load.timeline import Recorder
@@ -39,6 +40,9 @@ class FakeSettings(TargetSettings):
     """Faults raise instead of going in (a fault that cannot be injected)."""
     unhealthy_before: bool = False
     """Every request fails from the start (a target that is not healthy to begin with)."""
+    ineffective: bool = False
+    """Faults go in without error and change nothing (a rule in the wrong namespace, a kill
+    aimed at a pid that had exited): only their check can tell."""
 
 
 @dataclass
@@ -75,12 +79,21 @@ class FakeTarget(Target):
 
     def kill_gpu_process(self, worker: str) -> dict[str, Any]:
         self._fault("kill_gpu_process", worker=worker)
-        self.killed_at = time.time()
+        if not self.settings.ineffective:
+            self.killed_at = time.time()
         return {"worker": worker, "pid": 4242}
 
-    def partition_node(self, node: str) -> None:
+    def verify_kill_gpu_process(self, details: dict[str, Any]) -> Verification:
+        return Verification(self.killed_at is not None, f"killed at {self.killed_at}")
+
+    def partition_node(self, node: str, direction: str = "both") -> None:
         self._fault("partition_node", node=node)
-        self.partitioned.add(node)
+        if not self.settings.ineffective:
+            self.partitioned.add(node)
+
+    def verify_partition_node(self, details: dict[str, Any]) -> Verification:
+        node = details["node"]
+        return Verification(node in self.partitioned, f"partitioned: {sorted(self.partitioned)}")
 
     def heal_partition(self, node: str) -> None:
         self.calls.append(("heal_partition", {"node": node}))

@@ -19,6 +19,7 @@ import pytest
 from conftest import REPO, signal_and_wait
 from llmchaos import gameday
 from llmchaos.gameday import AllureMissing
+from llmchaos.report.score import pooled_score
 from llmchaos.stack.cleanup import leftovers
 
 BIN = Path(sys.executable).parent
@@ -129,14 +130,21 @@ def test_two_game_days_give_a_report_with_both_in_its_trends(tmp_path: Path) -> 
     _check_report_in_chromium(root / "latest" / "index.html", tmp_path)
 
 
-def _check_report_in_chromium(index: Path, tmp_path: Path) -> None:
+def _check_report_in_chromium(front: Path, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
         try:
             page = browser.new_page()
-            page.goto(index.as_uri())
+            # the game day's own page first: score, recovery against the SLA, the trend
+            page.goto(front.as_uri())
+            page.get_by_text("Resilience score:").wait_for(timeout=10_000)
+            assert "/ SLA 10 s" in page.locator("table").inner_text()  # gpu_kill.json
+            assert page.locator("svg").count() == 1
+            page.get_by_text("Allure report").click()
+            index = front.parent / "allure.html"
+            page.wait_for_url(index.as_uri())
             # the recovery-time trend across game days, as its own result
             page.get_by_text("gameday", exact=True).first.click()
             page.get_by_text("recovery-time trend: gpu_kill").first.click()
@@ -145,7 +153,9 @@ def _check_report_in_chromium(index: Path, tmp_path: Path) -> None:
             history = page.get_by_test_id("test-result-tab-history")
             assert "1" in history.inner_text(), "Allure's history holds the first game day"
             _opens_an_image(page, page.get_by_text("recovery-time trend", exact=True).last)
-            # the experiment itself, with its recovery chart
+            # the experiment itself, with its recovery chart (a fresh page: the one above
+            # came from the game day's page and keeps Allure's route)
+            page = browser.new_page()
             page.goto(index.as_uri())
             for section in ("suites", "test_catalogue.py"):
                 page.get_by_text(section, exact=True).first.click()
@@ -235,3 +245,55 @@ def test_the_soak_is_a_suite_of_its_own() -> None:
     soak_file = json.loads((REPO / "experiments" / "soak" / "soak.json").read_text())
     step = soak_file["configuration"]["soak_step_s"]
     assert (step["key"], step["env_var_type"]) == ("LLMCHAOS_SOAK_STEP_S", "int")
+
+
+def _outcome(day: str, experiment: str, variant: str, passed: list[bool]) -> dict[str, Any]:
+    slos = [
+        {"name": f"slo{i}", "severity": "critical" if i == 0 else "warning", "passed": ok}
+        for i, ok in enumerate(passed)
+    ]
+    return {
+        "gameday": day,
+        "experiment": experiment,
+        "variant": variant,
+        "verdict": "pass" if all(passed) else "fail",
+        "recovered": True,
+        "recovery_time_s": 4.25,
+        "sla_s": 15.0,
+        "worst_p99_ms": 900.0,
+        "score_percent": pooled_score([slos])["percent"],  # type: ignore[index]
+        "slos": slos,
+        "run_dir": f"/runs/{day}/{experiment}-{variant}",
+    }
+
+
+def test_the_game_day_page_opens_on_recovery_against_sla_score_and_trend(tmp_path: Path) -> None:
+    day1 = [_outcome("d1", "gpu_hang", "hardened", [True, False])]
+    day2 = [
+        _outcome("d2", "gpu_hang", "hardened", [True, True]),
+        _outcome("d2", "gpu_slow", "hardened", [False, True, True]),
+        # a known-bad variant loses its points by design: not in the game day's score
+        _outcome("d2", "gpu_slow", "round-robin", [False, False, False]),
+    ]
+    lines = [json.dumps(o) for o in day1 + day2]
+    (tmp_path / "recovery-history.jsonl").write_text("\n".join(lines) + "\n")
+    days = gameday._day_scores(tmp_path)
+    # d1: 3 of 4 points; d2: (3 + 1) + (1 + 1) of 4 + 5 points
+    assert days == {"d1": 75.0, "d2": round(100 * 6 / 9, 1)}
+    results = tmp_path / "results"
+    results.mkdir()
+    gameday._add_score_result("d2", day2, days, results)
+    (result,) = [json.loads(p.read_text()) for p in results.glob("*-result.json")]
+    assert result["name"] == "resilience score: 66.7%" and result["status"] == "failed"
+    assert "4.25 s / SLA 15 s" in result["descriptionHtml"]
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "allure.html").write_text("<html></html>")
+    page = gameday._write_front_page(report / "allure.html", "d2", day2, days).read_text()
+    body = page[page.index("<body>") :]
+    # the first things on it: the score, then each run's recovery against its SLA, the trend
+    assert body.index("Resilience score: <b>66.7%</b>") < body.index("4.25 s / SLA 15 s")
+    assert body.index("4.25 s / SLA 15 s") < body.index("<svg")
+    assert "round-robin (known-bad)" in body and "caught (failed)" in body
+    assert "slo0 (critical)" in body  # the SLO that lost gpu_slow its points
+    assert 'href="allure.html"' in body

@@ -7,7 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from llmchaos.errors import InvalidInput
+from llmchaos.report.score import pooled_score, run_score
 from llmchaos.report.summary import verdict_of
+from llmchaos.validation import experiment_meta
 
 
 def _journal(**overrides: Any) -> dict[str, Any]:
@@ -102,3 +107,42 @@ def test_the_report_shows_the_load_s_stream_timings_and_rates(tmp_path: Path) ->
     assert "TPOT ((e2e - TTFT) / (tokens - 1))" in page and "goodput 1 QPS" in page
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["load"]["goodput_qps"] == 1.0 and summary["load"]["itl_ms"]["p50"]
+
+
+def _probe(name: str, func: str, passed: bool) -> dict[str, Any]:
+    activity = {"name": name, "provider": {"type": "python", "func": func}}
+    return {"activity": activity, "status": "succeeded", "tolerance_met": passed}
+
+
+def test_the_resilience_score_is_krkn_s_weighted_share_of_slos() -> None:
+    # Krkn's formula by hand: 5 critical SLOs (3 points) and 5 warnings (1); 1 critical and
+    # 2 warnings fail: (20 - 5) / 20 = 75%
+    probes = [_probe(f"c{i}", "error_rate", i > 0) for i in range(5)]
+    probes += [_probe(f"w{i}", "p99_latency_ms", i > 1) for i in range(5)]
+    journal = _journal(steady_states={"after": {"steady_state_met": False, "probes": probes}})
+    score = run_score(journal)
+    assert score is not None
+    assert (score["percent"], score["points"], score["total"]) == (75.0, 15, 20)
+    # the experiment's own word for a probe; recovery within the SLA is critical by default
+    journal["experiment"] = {
+        "extensions": [{"name": "llmchaos", "slo_severity": {"w0": "critical", "w1": "critical"}}]
+    }
+    assert run_score(journal)["percent"] == round(100 * (24 - 9) / 24, 1)  # type: ignore[index]
+    recovery = _probe("recovered", "recovery_time_s", False)
+    only = _journal(steady_states={"before": {"steady_state_met": False, "probes": [recovery]}})
+    assert run_score(only)["slos"] == [  # type: ignore[index]
+        {"name": "recovered", "severity": "critical", "passed": False}
+    ]
+    assert run_score(_journal(steady_states={})) is None
+    # a game day pools the points of its runs
+    assert pooled_score([run_score(journal)["slos"], run_score(only)["slos"]]) == {  # type: ignore[index]
+        "percent": round(100 * 15 / 27, 1),
+        "points": 15,
+        "total": 27,
+    }
+
+
+def test_a_bad_slo_severity_is_an_error_naming_the_field() -> None:
+    experiment = {"extensions": [{"name": "llmchaos", "slo_severity": {"p99": "fatal"}}]}
+    with pytest.raises(InvalidInput, match=r"extensions\.llmchaos\.slo_severity"):
+        experiment_meta(experiment)

@@ -63,6 +63,7 @@ def test_a_short_outage_recovers_within_the_sla(fake_run: dict[str, Any]) -> Non
     journal, summary, target = _run(GPU_KILL, fake_run["runs"])
     assert summary["verdict"] == "pass", summary["reasons"]
     assert journal["status"] == "completed" and not journal["deviated"]
+    assert summary["score"]["percent"] == 100.0 and summary["score"]["total"] >= 4
     # 3 s of failures from the kill; recovered at the first stable run of 1 s windows
     assert 2.0 <= summary["recovery_time_s"] <= 4.5, summary["recovery_time_s"]
     assert summary["failed_requests"] >= 2 * 20  # at least two whole seconds of 20 QPS
@@ -79,6 +80,17 @@ def test_the_known_bad_variant_fails(fake_run: dict[str, Any]) -> None:
     assert journal["deviated"]
     assert summary["verdict"] == "fail"
     assert summary["recovered"] is False or summary["recovery_time_s"] > 5
+    # Chaos Toolkit stopped at the recovery probe; the control judged the rest for the score
+    after = journal["steady_states"]["after"]
+    names = [p["name"] for p in GPU_KILL["steady-state-hypothesis"]["probes"]]
+    judged = after["probes"] + after["llmchaos_rest"]
+    assert [r["activity"]["name"] for r in judged] == names
+    assert len(after["probes"]) == 1 and after["steady_state_met"] is False
+    score = summary["score"]
+    assert [s["name"] for s in score["slos"]] == names
+    assert score["slos"][0] == {"name": names[0], "severity": "critical", "passed": False}
+    total = sum(3 if s["severity"] == "critical" else 1 for s in score["slos"])
+    assert score["total"] == total and score["points"] <= total - 3
 
 
 def test_a_fault_that_cannot_be_injected_fails_the_verdict(
@@ -91,6 +103,33 @@ def test_a_fault_that_cannot_be_injected_fails_the_verdict(
     assert any(
         r.startswith("fault not injected: kill-gpu-0-process failed") for r in summary["reasons"]
     )
+
+
+def test_a_fault_that_did_nothing_fails_the_verdict(
+    fake_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kill goes in without an error and changes nothing, so the SLO holds: only the
+    check after the injection tells, and the verdict fails with its evidence."""
+    monkeypatch.setenv("LLMCHAOS_FAKE_INEFFECTIVE", "true")
+    journal, summary, target = _run(GPU_KILL, fake_run["runs"])
+    assert journal["status"] == "completed" and not journal["deviated"]
+    assert target.calls == [("kill_gpu_process", {"worker": "gpu-0"})]
+    assert summary["verdict"] == "fail"
+    assert summary["reasons"] == ["fault not in effect: kill_gpu_process(gpu-0): killed at None"], (
+        summary["reasons"]
+    )
+    (fault,) = summary["faults"]
+    assert fault["in_effect"] is False and fault["evidence"] == "killed at None"
+    ledger = Path(summary["run_dir"], "ledger.jsonl").read_text()
+    assert '"event": "verified"' in ledger and '"in_effect": false' in ledger
+
+
+def test_a_fault_in_effect_keeps_its_evidence(fake_run: dict[str, Any]) -> None:
+    _, summary, _ = _run(NODE_PARTITION, fake_run["runs"])
+    (fault,) = summary["faults"]
+    assert fault["in_effect"] is True
+    assert fault["evidence"] == "partitioned: ['node-a']"
+    assert not any(r.startswith("fault not in effect") for r in summary["reasons"])
 
 
 def test_an_unhealthy_target_is_not_broken_further(

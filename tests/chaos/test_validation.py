@@ -137,7 +137,12 @@ CASES: list[tuple[str, Mutation, str]] = [
     ),
     ("unknown argument", _bad_argument, "'kill-gpu-0-process'.arguments: got an unexpected"),
     ("wrong type", _bad_type, "arguments.window_s: expected float, got 'five'"),
-    ("unknown function", _bad_func, "actions.gpu has no function 'kill_gpu'; it has: kill_gpu"),
+    (
+        "unknown function",
+        _bad_func,
+        "actions.gpu has no function 'kill_gpu'; it has: clear_gpu_fault, gpu_errors, "
+        "hang_gpu_process, kill_gpu_process",
+    ),
     ("no control", _no_control, "controls: the llmchaos probes and actions need the control"),
     ("typo in a setting", _typo_setting, "configuration.sla: not a setting; did you mean 'sla_s'"),
 ]

@@ -87,15 +87,33 @@ def test_a_killed_server_is_restarted_like_a_kubelet_would(open_target: Opener) 
     killed = target.kill_gpu_process("gpu-0")
     assert killed["pid"] == before and not pid_alive(before)
     assert killed["via"].startswith("server pid")  # no nvidia-smi on this machine
+    verified = target.verify("kill_gpu_process", killed)
+    assert verified.in_effect is True and "new pid" in verified.evidence, verified
     assert _wait(lambda: target.healthy_workers("gpu") == 2, 15 + GPU_LOAD_S)
     after = target.supervisor.pid("gpu-0")
     assert after is not None and after != before
+    # the supervisor sees it ready on its next tick, maybe after this test's own look
+    assert _wait(lambda: target.recovery_facts(t0)["recovered"], 5)  # type: ignore[index]
     (fact,) = target.recovery_facts(t0)["recovered"]  # type: ignore[index]
     assert fact["name"] == "gpu-0" and fact["node"] == "node-a" and fact["restarts"] == 1
     assert 0.3 <= fact["rescheduling_time_s"] < 3.0  # restart_delay_s 0.3 + the watch tick
     assert GPU_LOAD_S * 0.9 <= fact["readiness_time_s"] < GPU_LOAD_S + 10
     with pytest.raises(InvalidInput, match="no server named 'cpu-9'"):
         target.kill_gpu_process("cpu-9")
+
+
+def test_a_hung_server_stops_answering_and_resumes(open_target: Opener) -> None:
+    target = open_target()
+    hung = target.hang_gpu_process("gpu-1")
+    verified = target.verify("hang_gpu_process", hung)
+    assert verified.in_effect is True and "state T" in verified.evidence, verified
+    assert target.healthy_workers("gpu") == 1  # its port accepts, nothing answers
+    target.resume_gpu_process("gpu-1")
+    target.resume_gpu_process("gpu-1")  # idempotent
+    assert _wait(lambda: target.healthy_workers("gpu") == 2, 5)
+    # the same check once it runs again (a hang that did nothing) says so
+    again = target.verify("hang_gpu_process", hung)
+    assert again.in_effect is False and "state T" not in again.evidence, again
 
 
 def test_a_partition_drops_both_ways_and_heals(open_target: Opener, needs_root: None) -> None:
@@ -110,10 +128,20 @@ def test_a_partition_drops_both_ways_and_heals(open_target: Opener, needs_root: 
     with pytest.raises(TimeoutError), socket.create_connection((gpu0.host, gpu0.port), 0.5):
         pass
     assert target.healthy_workers("gpu") == 1
+    assert target.verify("partition_node", {"node": "node-a"}).in_effect is True
+    # the check of a node without rules (a partition aimed at the wrong node) says so
+    wrong = target.verify("partition_node", {"node": "node-b"})
+    assert wrong.in_effect is False and "0 rules" in wrong.evidence, wrong
     target.heal_partition("node-a")
     target.heal_partition("node-a")
     assert _rules_of(target.state.target_id) == []
     assert target.healthy_workers("gpu") == 2
+    # one way only: requests in are dropped, nothing on the way out
+    target.partition_node("node-a", "ingress")
+    assert [r.chain for r in _rules_of(target.state.target_id)] == ["INPUT"]
+    assert target.verify("partition_node", {"node": "node-a"}).in_effect is True
+    target.heal_partition("node-a")
+    assert _rules_of(target.state.target_id) == []
 
 
 def test_a_gateway_crash_kills_master_and_workers(open_target: Opener, needs_nginx: None) -> None:
@@ -124,6 +152,7 @@ def test_a_gateway_crash_kills_master_and_workers(open_target: Opener, needs_ngi
     crashed = target.crash_gateway("gateway-primary")
     # and any worker the master forked when it saw one die before its own SIGKILL landed
     assert set(serving) <= set(crashed["pids"])
+    assert target.verify("crash_gateway", crashed).in_effect is True
     assert listeners(gateway.port) == [] and not any(pid_alive(p) for p in crashed["pids"])
     with pytest.raises(StackError, match="not running"):
         target.crash_gateway("gateway-primary")
@@ -273,6 +302,13 @@ def test_token_cache_keys_expire(tmp_path: Path) -> None:
         client.mset({f"token:{i}": "tenant" for i in range(5)} | {"other": "x"})
         assert target.expire_token_cache(30) == 5
         assert 0 < client.pttl("token:0") <= 30_000 and client.ttl("other") == -1
+        assert target.verify("expire_token_cache", {}).in_effect is True
+        # the same check after keys left alone (an expiry that did nothing) says so
+        client.mset({f"token:{i}": "tenant" for i in range(5)})
+        client.expire("token:0", 600)
+        target._token_snapshot = (30, {k: client.pttl(k) for k in client.keys("token:*")})
+        untouched = target.verify("expire_token_cache", {})
+        assert untouched.in_effect is False and "5 untouched" in untouched.evidence, untouched
         assert target.expire_token_cache(0) == 5
         assert client.keys("token:*") == [] and client.get("other") == b"x"
     finally:

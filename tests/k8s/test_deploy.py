@@ -265,6 +265,8 @@ def test_rbac_grants_exactly_the_verbs_the_backend_uses(
         assert sleeper.wait(10) == -signal.SIGKILL
         assert "deleted_pod" in backend.kill_gpu_process(gpu_1)  # no exec mapping: delete
         backend.partition_node("node-cpu-0")
+        partition = {"node": "node-cpu-0", "direction": "both"}
+        assert backend.verify("partition_node", partition).in_effect  # get the policy
         backend.heal_partition("node-cpu-0")
         gateway = deployed.pod_names("app.kubernetes.io/component=gateway")[0]
         backend.crash_gateway(gateway)

@@ -200,12 +200,18 @@ async def test_worker_failing_everywhere_returns_its_error_with_mode(
 async def test_ejected_worker_is_readmitted_by_a_passing_active_check(
     redis_server: RedisServer, token_db: Path, upstreams: Upstreams
 ) -> None:
+    # refused, then back (restarted by its node agent): not a bad answer, so the first
+    # passing check readmits it (a 500 would keep it out: see the Xid test)
     a, b = await upstreams("gpu-0"), await upstreams("gpu-1")
-    a.behaviour = b.behaviour = "fail"
     async with running_gateway(_settings(redis_server, token_db, [a, b], eject_s=60.0)) as gw:
-        assert (await gw.chat())[0] == 500
-        assert await gw.healthy() == {"gpu": 0, "cpu": 0}
-        a.behaviour = b.behaviour = "ok"
+        await _healthy(gw, gpu=2)
+        ports = a.port, b.port
+        await a.stop()
+        await b.stop()
+        assert (await gw.chat())[0] in (502, 503)  # refused, or known down already
+        await _healthy(gw, gpu=0)
+        await a.start(ports[0])
+        await b.start(ports[1])
         started = time.monotonic()
         await _healthy(gw, gpu=2)
         readmitted_s = time.monotonic() - started
@@ -345,3 +351,24 @@ async def test_health_check_timeouts_fail_a_worker_only_when_repeated(
         fake.health_hang = False
         await _healthy(gw, gpu=1)
     assert 0.55 < down_after_s < 2.0, down_after_s
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_passes_checks_but_times_out_requests_stays_ejected(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    # a slow or lossy link: /healthz (tiny) gets through, requests time out. A check passing
+    # while the request waited proves nothing, as after a bad answer: no readmission by it
+    slow, good = await upstreams("gpu-0"), await upstreams("gpu-1")
+    settings = _settings(
+        redis_server, token_db, [slow, good], eject_s=30.0, first_byte_timeout_s=0.5
+    )
+    async with running_gateway(settings) as gw:
+        await _healthy(gw, gpu=2)
+        slow.behaviour = "hang"
+        statuses = [(await gw.chat())[0] for _ in range(6)]
+        await asyncio.sleep(0.5)  # several passing health checks (every 0.1 s) since
+        assert await gw.healthy() == {"gpu": 1, "cpu": 0}
+        statuses += [(await gw.chat())[0] for _ in range(6)]
+    assert statuses == [200] * 12  # the one that timed out was retried on gpu-1
+    assert slow.cancelled == 1, "one request went to the slow worker, then none"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 from aiohttp import web
@@ -99,10 +100,12 @@ class Proxy:
                 self._metrics.upstream_retries.labels(reason=failure.reason).inc()
             tried.append(worker)
             worker.outstanding += 1
+            sent_at = time.monotonic()
             try:
                 response = await self._attempt(request, worker, path, body, headers, stream)
             except _AttemptFailed as exc:
-                self._pool.eject(worker, exc.reason)
+                answered = exc.response is not None
+                self._pool.eject(worker, exc.reason, answered=answered, sent_at=sent_at)
                 self._metrics.upstream_failures.labels(worker=worker.name, reason=exc.reason).inc()
                 failure = exc
                 continue
@@ -180,7 +183,7 @@ class Proxy:
                 reason = _failure_reason(exc)
                 self._metrics.broken_streams.inc()
                 self._metrics.upstream_failures.labels(worker=worker.name, reason=reason).inc()
-                self._pool.eject(worker, f"stream broken: {reason}")
+                self._pool.eject(worker, f"stream broken: {reason}", answered=True)
                 if request.transport is not None:
                     # no final chunk: the client must see a broken stream, not a short one
                     request.transport.close()

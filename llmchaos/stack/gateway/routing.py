@@ -10,11 +10,20 @@ Rules (also in the gateway's README section):
 - passive health: a request that fails on a worker (connect error, timeout, 5xx, broken
   stream) ejects it for `eject_s`; an active check that *started after* the ejection and
   passes readmits it early, so a worker restarted by its node agent is back within one health
-  interval instead of `eject_s`.
+  interval instead of `eject_s`, unless the worker was ejected for a bad *answer* (a 5xx or a
+  broken stream): its /healthz saying ready proves nothing then (a GPU failing after an Xid
+  error), so it stays out for `eject_s` times the number of such ejections in a row (Envoy's
+  outlier detection, with successful_active_health_check_uneject_host off); a run of them is
+  forgotten once the worker stays clean as long as its last ejection lasted. A request that
+  timed out while an active check of the same worker passed counts as a bad answer too: the
+  worker answers its checks but not its requests (a slow or lossy link, a gray failure), and
+  readmitting it on the next check would send it requests to time out again and again.
+  Without `passive_ejection` (a known-bad variant) nothing is ejected.
 - capacity: a worker can take a request while outstanding < max_num_seqs * (1 + ratio), ratio
   = `worker_queue_allowance_ratio` for gpu workers, `cpu_queue_allowance_ratio` (0) for cpu
   ones (max_num_seqs read from /healthz).
-- selection: least outstanding among healthy gpu workers with capacity; else (cpu_fallback)
+- selection: least outstanding (in turn with `round_robin`, a known-bad variant) among
+  healthy gpu workers with capacity; else (cpu_fallback)
   healthy cpu workers with capacity; else the least loaded healthy gpu worker even though it
   is full (its queue is shorter to wait in than a cpu one), else a full cpu worker; else none
   (-> 503 no_healthy_upstream). Ties rotate so that an idle pool spreads requests.
@@ -56,8 +65,10 @@ class Worker:
 
     __slots__ = (
         "_queue_ratio",
+        "bad_answers",
         "capacity",
         "check_timeouts",
+        "checked_at",
         "ejected_at",
         "ejected_until",
         "health_url",
@@ -83,8 +94,12 @@ class Worker:
         self.ready = False
         self.check_timeouts = 0
         """Active checks in a row that timed out."""
+        self.checked_at = -math.inf
+        """When the last active check that passed ended (monotonic)."""
         self.ejected_until = 0.0
         self.ejected_at = -math.inf
+        self.bad_answers = 0
+        """Ejections in a row for a bad answer (the outlier multiplier); 0 for a timeout's."""
         self._queue_ratio = queue_ratio
         self.max_num_seqs = 1
         self.capacity = 1
@@ -113,8 +128,10 @@ class WorkerPool:
         self._set(tuple(Worker(w, self._ratios[w.mode]) for w in settings.workers))
         self._eject_s = settings.eject_s
         self._health_interval_s = settings.health_interval_s
-        self._health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
+        self._health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s or None)
         self._timeouts_to_fail = max(1, settings.health_timeouts_to_fail)
+        self._passive_ejection = settings.passive_ejection
+        self._in_turn = settings.round_robin
         self._rotation = 0
 
     def _set(self, workers: tuple[Worker, ...]) -> None:
@@ -176,17 +193,36 @@ class WorkerPool:
                 continue
             if within_capacity and worker.outstanding >= worker.capacity:
                 continue
+            if self._in_turn:
+                return worker  # the first eligible in turn
             if best is None or worker.outstanding < best.outstanding:
                 best = worker
         return best
 
-    def eject(self, worker: Worker, reason: str) -> None:
-        """Skip `worker` for `eject_s` after a failed request (passive health)."""
+    def eject(
+        self, worker: Worker, reason: str, answered: bool = False, sent_at: float = math.inf
+    ) -> None:
+        """Skip `worker` after a failed request (passive health): `answered` when it answered
+        badly (5xx, broken stream), else it did not answer; `sent_at` (monotonic) when the
+        request went out (rules in the module docstring)."""
+        if not self._passive_ejection:
+            return
         now = time.monotonic()
+        if not answered and reason.endswith("timeout") and worker.checked_at > sent_at:
+            answered = True  # its checks pass while its requests time out: a gray failure
+            reason += " while its health checks passed"
+        if answered:
+            if now < worker.ejected_until and worker.bad_answers:
+                return  # sent before its ejection: the same outlier, not a new ejection
+            last_s = worker.ejected_until - worker.ejected_at
+            if now > worker.ejected_until + last_s:
+                worker.bad_answers = 0  # clean as long as its last ejection: forgiven
+            worker.bad_answers += 1
+        eject_s = self._eject_s * max(1, worker.bad_answers if answered else 0)
         if worker.healthy(now):
-            log.warning("worker %s ejected for %.1f s: %s", worker.name, self._eject_s, reason)
+            log.warning("worker %s ejected for %.1f s: %s", worker.name, eject_s, reason)
         worker.ejected_at = now
-        worker.ejected_until = now + self._eject_s
+        worker.ejected_until = now + eject_s
 
     def cpu_fallback_full(self) -> bool:
         """No healthy gpu worker, and every healthy cpu worker at capacity (at least one)."""
@@ -249,8 +285,12 @@ class WorkerPool:
             if isinstance(max_num_seqs, int) and max_num_seqs > 0:
                 worker.set_max_num_seqs(max_num_seqs)
         ready = problem is None
+        if ready:
+            worker.checked_at = time.monotonic()
         if ready != worker.ready:
             log.info("worker %s %s", worker.name, "healthy" if ready else f"unhealthy: {problem}")
         worker.ready = ready
-        if ready and started >= worker.ejected_at:
+        if not ready:
+            worker.bad_answers = 0  # restarted or loading: a new process gets a clean slate
+        elif started >= worker.ejected_at and not worker.bad_answers:
             worker.ejected_until = 0.0

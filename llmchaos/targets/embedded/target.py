@@ -22,11 +22,14 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmchaos.errors import InvalidInput, StackError
+from llmchaos.ledger import Verification
 from llmchaos.processes import pid_alive
-from llmchaos.stack import netns
+from llmchaos.stack import cgroups, netns, tc
+from llmchaos.stack.agent import AgentSettings
 from llmchaos.stack.config import StackConfig, get_variant
 from llmchaos.stack.procs import http_get_status
 from llmchaos.stack.registry import MEMBERS, leader, restart_member, wait_ready
+from llmchaos.stack.settings import load_settings
 from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
 from llmchaos.stack.topology import (
     RegistryInfo,
@@ -36,10 +39,15 @@ from llmchaos.stack.topology import (
     read_secrets,
 )
 from llmchaos.targets import Replicas, Target, TargetInfo, WorkerRef
-from llmchaos.targets.cache import expire_keys
+from llmchaos.targets.cache import expire_keys, expiry_verification, key_ttls
+from llmchaos.targets.embedded.gpu import GpuFaults
+from llmchaos.targets.embedded.network import NetworkFaults
+from llmchaos.targets.embedded.processes import ProcessFaults
+from llmchaos.targets.embedded.resources import ResourceFaults
 
 __all__ = ["EmbeddedTarget", "planned_info"]
 
+_TOKEN_PATTERN = "token:*"
 _READ_TIMEOUT_S = 0.5
 """Timeout of one metrics or health read: a partitioned node must not stall a probe."""
 _GATEWAY_READ_TIMEOUT_S = 2.0
@@ -49,6 +57,7 @@ _GATEWAY_READ_TIMEOUT_S = 2.0
 def planned_info(config: StackConfig) -> TargetInfo:
     """The names a stack started from `config` will have, known before starting it."""
     roles = ("primary", "backup") if get_variant(config.variant).backup_gateway else ("primary",)
+    with_netns = use_netns(config)
     return TargetInfo(
         nodes=tuple(node for node, _ in node_layout(config)),
         workers=tuple(
@@ -57,20 +66,36 @@ def planned_info(config: StackConfig) -> TargetInfo:
             for worker, mode in workers
         ),
         gateways=tuple(f"gateway-{role}" for role in roles),
-        partitions_supported=use_netns(config),
+        partitions_supported=with_netns,
         partitions_need="nodes as network namespaces: root, with netns auto or on",
         registry_members=tuple(f"reg-{i}" for i in range(MEMBERS))
         if config.discovery == "etcd"
         else (),
+        unsupported=_unsupported(with_netns),
     )
 
 
-class EmbeddedTarget(Target):
+def _unsupported(with_netns: bool) -> dict[str, str]:
+    """What this machine cannot do to the embedded stack, and why (see TargetInfo)."""
+    unsupported = {}
+    for fault, controller in (("throttle_cpu", "cpu"), ("oom_kill_worker", "memory")):
+        reason = cgroups.support(controller)
+        if reason is not None:
+            unsupported[fault] = reason
+    if not with_netns:
+        unsupported["degrade_network"] = "nodes are not network namespaces here (needs root)"
+    elif (reason := tc.netem_support()) is not None:
+        unsupported["degrade_network:delay_ms"] = reason
+    return unsupported
+
+
+class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Target):
     """A running embedded stack, known by its state folder."""
 
     def __init__(self, topology: Topology) -> None:
         self._state_dir = Path(topology.state_dir)
         self._topology = topology
+        self._token_snapshot: tuple[float, dict[bytes, int]] = (0.0, {})
 
     def close(self) -> None:
         """Stop the whole stack; safe to call twice."""
@@ -99,6 +124,7 @@ class EmbeddedTarget(Target):
             registry_members=tuple(m.name for m in topology.registry.members)
             if topology.registry
             else (),
+            unsupported=_unsupported(all(n.netns for n in topology.nodes)),
         )
 
     @property
@@ -110,42 +136,6 @@ class EmbeddedTarget(Target):
         return self._topology.tokens_file
 
     # -- faults --------------------------------------------------------------------------
-    def kill_gpu_process(self, worker: str) -> dict[str, Any]:
-        """Read the pid holding the worker's GPU from its /gpu/processes, then SIGKILL it.
-
-        Raises StackError when the worker does not answer (dead, loading, partitioned).
-        """
-        url = self.topology.worker(worker).url + "/gpu/processes"
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as response:
-                processes = json.loads(response.read())
-        except (OSError, ValueError) as exc:
-            raise StackError(f"{worker}: cannot read {url}: {exc}") from None
-        if not isinstance(processes, list) or not processes:
-            raise StackError(f"{worker}: no process holds its GPU ({url} lists none)")
-        pid = int(processes[0]["pid"])
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            raise StackError(f"{worker}: GPU process {pid} was already gone") from None
-        return {"worker": worker, "pid": pid, "process_name": processes[0].get("process_name")}
-
-    def _netns_of(self, node: str) -> str:
-        name = self.topology.node(node).netns
-        if not name:
-            raise InvalidInput(
-                f"node {node!r} is not a network namespace: partitions need root (netns auto or on)"
-            )
-        return name
-
-    def partition_node(self, node: str) -> None:
-        netns.partition_namespace(self._netns_of(node))
-
-    def heal_partition(self, node: str) -> None:
-        namespace = self.topology.node(node).netns
-        if namespace and namespace in netns.list_namespaces():
-            netns.heal_partition(namespace)
-
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
         info = self._gateway(gateway)
         if not pid_alive(info.pid):
@@ -204,19 +194,25 @@ class EmbeddedTarget(Target):
             netns.heal_partition(namespace)
 
     def expire_token_cache(self, ttl_s: float) -> int:
-        password = read_secrets(self._state_dir).redis_password
-        url = self.topology.redis_url
-        return expire_keys(url, password, "token:*", ttl_s, url)
+        url, password = self.topology.redis_url, read_secrets(self._state_dir).redis_password
+        # each key's TTL before: the check tells a key that was deleted and cached again
+        # from one that was never touched
+        before = key_ttls(url, password, url, pattern=_TOKEN_PATTERN)
+        self._token_snapshot = (ttl_s, before)
+        return expire_keys(url, password, _TOKEN_PATTERN, ttl_s, url)
+
+    def verify_expire_token_cache(self, details: dict[str, Any]) -> Verification:
+        ttl_s, before = self._token_snapshot
+        url, password = self.topology.redis_url, read_secrets(self._state_dir).redis_password
+        now = key_ttls(url, password, url, keys=before) if before else {}
+        return expiry_verification(ttl_s, _TOKEN_PATTERN, before, now)
 
     # -- readings ------------------------------------------------------------------------
     def queue_depth(self) -> float:
         """Sum of vllm:num_requests_waiting over the workers that answer (a dead worker holds
         no queue; a partitioned one is unknown and left out)."""
-        total = 0.0
-        for node in self._topology.nodes:
-            for worker in node.workers:
-                total += _metric(worker.url + "/metrics", "vllm:num_requests_waiting")
-        return total
+        stats = self.engine_stats()
+        return stats["waiting"] if stats else 0.0
 
     def replicas(self) -> Replicas:
         """Desired from the stack's replicas file (all GPU workers without an autoscaler),
@@ -256,22 +252,53 @@ class EmbeddedTarget(Target):
     def gateway_metric(self, name: str) -> float:
         """Raises StackError when no gateway answered (a busy gateway's /metrics can take
         longer than an engine's: 2 s each)."""
-        values = [
-            _metric_or_none(g.url + "/metrics", name, _GATEWAY_READ_TIMEOUT_S)
+        read = [
+            _metrics(g.url + "/metrics", (name,), _GATEWAY_READ_TIMEOUT_S)
             for g in self.topology.gateways
         ]
-        answered = [v for v in values if v is not None]
+        answered = [r[name] for r in read if r is not None]
         if not answered:
             raise StackError(f"no gateway answered /metrics for {name}")
         return sum(answered)
 
-    def kv_cache_usage(self) -> float | None:
-        shares = [
-            _metric(worker.url + "/metrics", "vllm:kv_cache_usage_perc")
+    def engine_stats(self) -> dict[str, float] | None:
+        """vLLM's metrics over the workers that answer: the fullest KV cache, preemptions so
+        far and requests waiting, summed."""
+        names = ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total")
+        names += ("vllm:num_requests_waiting",)
+        read = [
+            _metrics(worker.url + "/metrics", names)
             for node in self._topology.nodes
             for worker in node.workers
         ]
-        return max(shares, default=None)
+        answered = [r for r in read if r is not None]
+        if not answered:
+            return None
+        return {
+            "kv_cache_usage_max": max(r[names[0]] for r in answered),
+            "preemptions_total": sum(r[names[1]] for r in answered),
+            "waiting": sum(r[names[2]] for r in answered),
+        }
+
+    def requests_taken(self) -> dict[str, float] | None:
+        """Of each worker that answers (absent: it does not)."""
+        names = ("vllm:request_success_total", "vllm:num_requests_running")
+        names += ("vllm:num_requests_waiting",)
+        read = {
+            worker.name: _metrics(worker.url + "/metrics", names)
+            for node in self._topology.nodes
+            for worker in node.workers
+        }
+        return {worker: sum(r.values()) for worker, r in read.items() if r is not None}
+
+    def _agent_restart_delay_s(self) -> float:
+        """How long the node agents wait before restarting a dead worker."""
+        path = Path(self._state_dir) / f"agent-{self.topology.nodes[0].name}.json"
+        return load_settings(AgentSettings, path).restart_delay_s
+
+    def kv_cache_usage(self) -> float | None:
+        stats = self.engine_stats()
+        return stats["kv_cache_usage_max"] if stats else None
 
     def recovery_facts(self, since_ts: float) -> dict[str, Any] | None:
         """Each worker that died after `since_ts`, from its node agent (the kubelet here):
@@ -310,21 +337,18 @@ class EmbeddedTarget(Target):
         )
 
 
-def _metric(url: str, name: str) -> float:
-    """Sum of the samples called `name` at `url`; 0 when the endpoint does not answer."""
-    return _metric_or_none(url, name, _READ_TIMEOUT_S) or 0.0
-
-
-def _metric_or_none(url: str, name: str, timeout_s: float) -> float | None:
-    """Sum of the samples called `name` at `url`; None when the endpoint does not answer."""
+def _metrics(
+    url: str, names: tuple[str, ...], timeout_s: float = _READ_TIMEOUT_S
+) -> dict[str, float] | None:
+    """Sum of the samples of each of `names` at `url`; None when it does not answer."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             text = response.read().decode()
     except (OSError, urllib.error.URLError):
         return None
-    total = 0.0
+    totals = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name:
-                total += sample.value
-    return total
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals

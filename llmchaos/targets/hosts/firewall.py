@@ -78,13 +78,16 @@ def _iptables(
     return result
 
 
-def add_port_drop(port: int, comment: str, netns: str | None = None) -> None:
-    """DROP TCP to and from `port` (idempotent)."""
-    for chain, direction in _CHAINS:
+def add_port_drop(
+    port: int, comment: str, netns: str | None = None, direction: str = "both"
+) -> None:
+    """DROP TCP to `port` (direction "ingress"), from it ("egress") or both (idempotent)."""
+    chains = {"ingress": _CHAINS[:1], "egress": _CHAINS[1:]}.get(direction, _CHAINS)
+    for chain, port_flag in chains:
         spec = [
             "-p",
             "tcp",
-            direction,
+            port_flag,
             str(port),
             "-m",
             "comment",

@@ -4,6 +4,7 @@ effect, their undo, and readings in each engine's own terms.
 - kill_gpu_process: SIGKILL the pids `nvidia-smi --query-compute-apps=pid` lists inside the
   server's process tree; without nvidia-smi (or when it lists none of them) the server's pid.
   Checked: the pids are gone.
+- hang_gpu_process / resume_gpu_process: SIGSTOP / SIGCONT the same pids (a hung GPU).
 - crash_gateway: SIGKILL every process listening on the gateway's port, its own process and
   their descendants (nginx: master and workers). Checked: all gone, the port free.
 - restore_gateway: wait for the port to be free, run its restart command, wait for its health
@@ -12,12 +13,18 @@ effect, their undo, and readings in each engine's own terms.
   host's filter table, or inside the server's netns). Checked: a connect times out and the
   rules' packet counter rises.
 - expire_token_cache: DEL (ttl_s 0) or PEXPIRE the keys of `redis.key_pattern`.
+
+Each fault is checked again after it went in (`verify_<fault>`, the evidence kept in the
+ledger): the pids gone and, for a server, a new pid from the supervisor; nothing of the killed
+pids serving the gateway's port; the partition rules' packet counters above zero; each token
+key gone, expiring within ttl_s, or cached again since.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -25,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput, StackError
-from llmchaos.processes import Owner, pid_alive
+from llmchaos.ledger import Verification
+from llmchaos.processes import Owner, pid_alive, process_state
 from llmchaos.targets import Target, TargetInfo, WorkerRef
-from llmchaos.targets.cache import expire_keys
+from llmchaos.targets.cache import expire_keys, expiry_verification, key_ttls
 from llmchaos.targets.hosts import firewall
 from llmchaos.targets.hosts.engines import EngineReading, read_engine
 from llmchaos.targets.hosts.procs import (
@@ -84,6 +92,8 @@ class HostsTarget(Target):
         self.supervisor = supervisor
         self._tokens_file = tokens_file
         self._closed = False
+        self._token_snapshot: tuple[float, dict[bytes, int]] = (0.0, {})
+        self._hung: dict[str, list[int]] = {}
 
     def info(self) -> TargetInfo:
         return planned_info(self.topology)
@@ -140,6 +150,32 @@ class HostsTarget(Target):
         if self.supervisor is not None:
             self.supervisor.note_down(server, at)
         return {"worker": worker, "pid": pids[0], "pids": pids, "via": via}
+
+    def hang_gpu_process(self, worker: str) -> dict[str, Any]:
+        """SIGSTOP the GPU pids of the server (as kill_gpu_process finds them): its port still
+        accepts connections, nothing answers. The supervisor restarts only what exits."""
+        server = self.topology.server(worker)
+        pid = self._pid(server)
+        if pid is None:
+            raise StackError(f"{worker}: not running, no GPU process to hang")
+        pids, via = _gpu_pids(pid)
+        kill_all(pids, signal.SIGSTOP)
+        self._hung[worker] = pids
+        return {"worker": worker, "pid": pids[0], "pids": pids, "via": via}
+
+    def resume_gpu_process(self, worker: str) -> None:
+        """SIGCONT what hang_gpu_process stopped (idempotent)."""
+        kill_all(self._hung.pop(worker, []), signal.SIGCONT)
+
+    def verify_hang_gpu_process(self, details: dict[str, Any]) -> Verification:
+        """Each pid in state T (stopped by a signal)."""
+        states = {pid: process_state(pid) or "gone" for pid in details["pids"]}
+        return Verification(
+            all(state == "T" for state in states.values()),
+            f"{details['worker']}: "
+            + ", ".join(f"pid {p} in state {s}" for p, s in states.items())
+            + " (T: stopped)",
+        )
 
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
         part = self.topology.gateway(gateway)
@@ -221,14 +257,15 @@ class HostsTarget(Target):
             )
         return servers
 
-    def partition_node(self, node: str) -> None:
-        """DROP both directions on the port of every server of `node`; checked: a connect to
-        each times out and the rules count dropped packets."""
+    def partition_node(self, node: str, direction: str = "both") -> None:
+        """DROP on the port of every server of `node`, both ways or one (requests in, or
+        answers out); checked: a connect to each times out and the rules count dropped
+        packets (one way cuts the handshake either way)."""
         if not partitions_supported():
             raise InvalidInput("partition_node: needs root and iptables on this machine")
         comment = firewall.tag(self.state.target_id, node, self.owner)
         for server in self._servers_on(node):
-            firewall.add_port_drop(server.port, comment, server.netns)
+            firewall.add_port_drop(server.port, comment, server.netns, direction)
         for server in self._servers_on(node):
             before = firewall.dropped_packets(comment, server.netns)
             outcome = _connect(server.host, server.port)
@@ -254,7 +291,57 @@ class HostsTarget(Target):
                 "to expire (give redis.url and key_pattern, e.g. token:*)"
             )
         password = os.environ.get(spec.password_env) if spec.password_env else None
+        before = key_ttls(spec.url, password, spec.url, pattern=spec.key_pattern)
+        self._token_snapshot = (ttl_s, before)
         return expire_keys(spec.url, password, spec.key_pattern, ttl_s, spec.url)
+
+    # -- checks --------------------------------------------------------------------------
+    def verify_kill_gpu_process(self, details: dict[str, Any]) -> Verification:
+        """The pids gone; with a supervisor, the server running again as a new pid."""
+        killed = list(details.get("pids") or [details["pid"]])
+        alive = [pid for pid in killed if pid_alive(pid)]
+        evidence = f"{details['worker']}: pids {killed} " + (
+            f"still alive: {alive}" if alive else "gone"
+        )
+        if alive or self.supervisor is None:
+            return Verification(not alive, evidence)
+        part = self.topology.server(str(details["worker"]))
+        new = _wait(lambda: (pid := self.supervisor.pid(part.name)) not in (None, *killed), 10.0)
+        now = self.supervisor.pid(part.name)
+        return Verification(new, evidence + (f"; new pid {now}" if new else "; no new pid"))
+
+    def verify_crash_gateway(self, details: dict[str, Any]) -> Verification:
+        """The killed pids gone and none of them serving the gateway's port."""
+        part = self.topology.gateway(str(details["gateway"]))
+        killed = list(details.get("pids") or [details["pid"]])
+        alive = [pid for pid in killed if pid_alive(pid)]
+        serving = sorted(set(listeners(part.port)) & set(killed))
+        return Verification(
+            not alive and not serving,
+            f"{part.name}: pids {killed}: alive {alive}, serving port {part.port}: {serving}",
+        )
+
+    def verify_partition_node(self, details: dict[str, Any]) -> Verification:
+        """Each server's rules present and counting dropped packets."""
+        node = str(details["node"])
+        comment = firewall.tag(self.state.target_id, node, self.owner)
+        lines, in_effect = [], True
+        for netns in sorted({s.netns or "" for s in self._servers_on(node)}):
+            rules = firewall.tagged_rules(netns or None, prefix=comment)
+            dropped = firewall.dropped_packets(comment, netns or None) if rules else 0
+            in_effect = in_effect and bool(rules) and dropped > 0
+            where = f"netns {netns}" if netns else "the host"
+            lines.append(f"{len(rules)} rules in {where}, {dropped} packets dropped")
+        return Verification(in_effect, f"partition of {node}: " + "; ".join(lines))
+
+    def verify_expire_token_cache(self, details: dict[str, Any]) -> Verification:
+        spec = self.topology.redis
+        ttl_s, before = self._token_snapshot
+        if spec is None or not before:
+            return expiry_verification(ttl_s, spec.key_pattern if spec else "", before, {})
+        password = os.environ.get(spec.password_env) if spec.password_env else None
+        now = key_ttls(spec.url, password, spec.url, keys=before)
+        return expiry_verification(ttl_s, spec.key_pattern, before, now)
 
     # -- readings ------------------------------------------------------------------------
     def engine_readings(self) -> dict[str, EngineReading]:

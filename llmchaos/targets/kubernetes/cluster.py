@@ -223,19 +223,6 @@ class Cluster:
         selector = getattr(self.settings, f"{role}_selector")
         return [p for p in self._list_pods(selector) if p.metadata.deletion_timestamp is None]
 
-    def _role_pod(self, role: str, name: str, field: str, what: str) -> Any:
-        """The live pod `name` of a role; InvalidInput naming the argument `field` and the
-        pods there are when it is not one (`what`: "a GPU inference pod", "a gateway pod")."""
-        pods = {p.metadata.name: p for p in self._role_pods(role)}
-        if name not in pods:
-            raise InvalidInput(
-                f"{field}: {name!r} is not {what} in namespace {self.namespace} "
-                f"({role}_selector {getattr(self.settings, f'{role}_selector')!r}); "
-                f"{role.upper() if role in ('gpu', 'cpu') else role} pods: "
-                f"{', '.join(pods) or 'none'}"
-            )
-        return pods[name]
-
     def _inference_pods(self) -> list[tuple[str, Any]]:
         """(mode, pod) for every live inference pod; a pod matching both selectors is gpu."""
         seen: set[str] = set()

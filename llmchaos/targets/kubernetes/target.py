@@ -42,9 +42,11 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmchaos.errors import ComponentNotReady, InvalidInput, StackError
+from llmchaos.ledger import Verification
 from llmchaos.redact import redact_text
 from llmchaos.targets import Replicas, Target, TargetInfo, WorkerRef
 from llmchaos.targets.cache import expire_keys
+from llmchaos.targets.kubernetes.checks import NVIDIA_SMI, POLICY_TYPES, UNSUPPORTED, Checks
 from llmchaos.targets.kubernetes.cluster import http_status, node_of, pod_ready
 from llmchaos.targets.kubernetes.load_workers import LoadWorkers
 from llmchaos.targets.kubernetes.nodes import NodeFaults
@@ -57,7 +59,6 @@ log = logging.getLogger("llmchaos.targets.kubernetes")
 
 TOKEN_PATTERN = "token:*"
 """Keys of the gateways' token cache (the same as on the embedded stack)."""
-NVIDIA_SMI = ("nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader")
 _POLICY_PREFIX = "llmchaos-partition-"
 _REDIS_BATCH_CHARS = 4000
 """Characters of keys per redis-cli exec: the command travels in the exec URL's query, and
@@ -94,12 +95,12 @@ def _policy_name(node: str) -> str:
     return _POLICY_PREFIX + _partition_key(node)
 
 
-class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
+class KubernetesTarget(Checks, NodeFaults, LoadWorkers, Recovery, Target):
     """The inference stack in one namespace of a cluster; see the module docstring.""" ""
 
     UNDO_OPS: ClassVar[frozenset[str]] = Target.UNDO_OPS | {"uncordon_node", "stop_load_workers"}
-    """heal_partition, restore_gateway, uncordon_node (undoes cordon_node/drain_node) and
-    stop_load_workers (undoes start_load_workers)."""
+    """The door's (heal_partition, restore_gateway, resume_gpu_process, ...), uncordon_node
+    (undoes cordon_node/drain_node) and stop_load_workers (undoes start_load_workers)."""
 
     # -- Backend: names ------------------------------------------------------------------
     def info(self) -> TargetInfo:
@@ -118,6 +119,7 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
             partitions_supported=True,
             drains_supported=True,
             aliases=_embedded_aliases(workers, sorted(nodes), gateway_names),
+            unsupported=dict(UNSUPPORTED),
         )
 
     @property
@@ -137,8 +139,10 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
         lists host pids, or nothing: then kill fails or has nothing to do, and deleting the
         pod is the closest fault (the container's process dies, the pod is rescheduled).
         """
-        node = node_of(self._role_pod("gpu", worker, "worker", "a GPU inference pod"))
-        base = {"worker": worker, "pod": worker, "node": node}
+        pod = self._named_pod("gpu", worker)
+        node = node_of(pod)
+        uid = pod.metadata.uid
+        base = {"worker": worker, "pod": worker, "node": node, "uid": uid}
         if self.settings.dry_run:
             return self._plan(
                 "kill_gpu_process",
@@ -170,9 +174,10 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
         self._delete_pod(base["pod"], "worker")
         return {**base, "deleted_pod": base["pod"], "reason": reason}
 
-    def partition_node(self, node: str) -> None:
-        """Cut the namespace's pods on `node` off: label them and apply a deny-all ingress and
-        egress NetworkPolicy selecting that label. Idempotent.
+    def partition_node(self, node: str, direction: str = "both") -> None:
+        """Cut the namespace's pods on `node` off: label them and apply a deny-all
+        NetworkPolicy selecting that label, of ingress and egress ("both"), or of one of them
+        (a one-way partition). Idempotent.
 
         Pods created on the node afterwards are not labelled (a NetworkPolicy cannot select
         by node); a partition is a short fault and rescheduled pods go elsewhere anyway.
@@ -195,10 +200,10 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
                 "labels": dict(MANAGED_BY),
                 "annotations": {"llmchaos.io/node": node},
             },
-            # No ingress or egress rules with both policy types: all traffic is denied.
+            # No rules for a policy type: all of its traffic is denied.
             "spec": {
                 "podSelector": {"matchLabels": {self.settings.partition_label: key}},
-                "policyTypes": ["Ingress", "Egress"],
+                "policyTypes": POLICY_TYPES[direction],
             },
         }
         if self.settings.dry_run:
@@ -253,11 +258,57 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
         for pod in pods:
             self._patch_labels(pod, {label: None})
 
+    def verify_partition_node(self, details: dict[str, Any]) -> Verification:
+        """The NetworkPolicy present, of the direction asked, selecting labelled pods."""
+        node, direction = str(details["node"]), str(details.get("direction", "both"))
+        name, key = _policy_name(node), _partition_key(node)
+        try:
+            policy = self._net.read_namespaced_network_policy(
+                name, self.namespace, _request_timeout=self.settings.request_timeout_s
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return Verification(False, f"no NetworkPolicy {name} in {self.namespace}")
+        label = self.settings.partition_label
+        selected = [
+            p.metadata.name
+            for p in self._list_pods()
+            if (p.metadata.labels or {}).get(label) == key and node_of(p) == node
+        ]
+        types = sorted(policy.spec.policy_types or [])
+        return Verification(
+            bool(selected) and types == sorted(POLICY_TYPES[direction]),
+            f"NetworkPolicy {name} ({'/'.join(types)}) selects {len(selected)} pod(s) on "
+            f"{node}: {', '.join(selected) or 'none'}; whether the CNI enforces it is not "
+            "visible through the API",
+        )
+
+    def _named_pod(self, role: str, name: str) -> Any:
+        """The pod `name` of `role` (gpu: a GPU inference pod, gateway); InvalidInput naming
+        the argument, the selector and the pods there are otherwise."""
+        pods = {p.metadata.name: p for p in self._role_pods(role)}
+        if name not in pods:
+            gpu = role == "gpu"
+            field, what = ("worker", "GPU inference pod") if gpu else (role, f"{role} pod")
+            selector = getattr(self.settings, f"{role}_selector")
+            raise InvalidInput(
+                f"{field}: {name!r} is not a {what} in namespace {self.namespace} "
+                f"({role}_selector {selector!r}); {what.split()[0]} pods: "
+                f"{', '.join(pods) or 'none'}"
+            )
+        return pods[name]
+
     def crash_gateway(self, gateway: str) -> dict[str, Any]:
         """Delete the gateway pod with grace period 0; returns {"gateway", "pod", "node",
         "deleted_pod"} (no pid: the process is the container's)."""
-        pod = self._role_pod("gateway", gateway, "gateway", "a gateway pod")
-        result = {"gateway": gateway, "pod": gateway, "node": node_of(pod)}
+        pod = self._named_pod("gateway", gateway)
+        result = {
+            "gateway": gateway,
+            "pod": gateway,
+            "node": node_of(pod),
+            "uid": pod.metadata.uid,
+        }
         if self.settings.dry_run:
             return self._plan(
                 "crash_gateway", **result, steps=[f"delete {self._pod_ref(gateway)} grace 0"]
@@ -391,6 +442,36 @@ class KubernetesTarget(NodeFaults, LoadWorkers, Recovery, Target):
                     f"{' '.join(answer)[:200]!r}, expected a count"
                 ) from None
         return touched
+
+    def verify_expire_token_cache(self, details: dict[str, Any]) -> Verification:
+        """Deleted: fewer token keys now than were deleted (the load caches some again at
+        once, never all). Expiring later: not checkable now (None)."""
+        if details.get("ttl_s"):
+            return Verification(None, "keys set to expire later: not checked on a cluster")
+        before = int(details.get("keys") or 0)
+        now = self._token_key_count()
+        return Verification(
+            before == 0 or now < before, f"{before} token:* keys deleted, {now} cached now"
+        )
+
+    def _token_key_count(self) -> int:
+        if self.settings.redis_url:
+            import redis
+
+            url = self.settings.redis_url
+            client = redis.Redis.from_url(url, socket_timeout=self.settings.request_timeout_s)
+            try:
+                return sum(1 for _ in client.scan_iter(TOKEN_PATTERN, count=1000))
+            except redis.RedisError as exc:
+                raise StackError(f"token cache {url} (redis_url): {exc}") from None
+            finally:
+                client.close()
+        ready = [p for p in self._role_pods("redis") if pod_ready(p)]
+        if not ready:
+            raise StackError(f"kubernetes: no ready Redis pod in namespace {self.namespace}")
+        cli = list(self.settings.redis_cli)
+        listed = self._exec(ready[0].metadata.name, [*cli, "--scan", "--pattern", TOKEN_PATTERN])
+        return len({line.strip() for line in listed.splitlines() if line.strip()})
 
     # -- Backend: readings ---------------------------------------------------------------
     def queue_depth(self) -> float:

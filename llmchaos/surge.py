@@ -1,0 +1,117 @@
+"""A surge of long prompts from one tenant, sent beside the run's load: KV-cache pressure.
+
+    surge = LongPromptSurge(url, token, model, qps=4, duration_s=15, prompt_tokens=6000,
+                            max_tokens=200)
+    surge.start(); ...; surge.stop()         # stop() waits for the requests still out
+    surge.counts                             # {"ok": 51, "5xx": 2, "timeout": 0, ...}
+
+The surge is the noisy neighbour, not the service's users: its answers are counted here and
+reported with the fault, never mixed into the load's SLO figures. Requests go out at a
+constant rate on their own threads (open loop, like the load), through the same front door.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from urllib.parse import urlsplit
+
+from llmchaos.errors import InvalidInput
+
+__all__ = ["LongPromptSurge"]
+
+log = logging.getLogger("chaostoolkit")
+
+_TIMEOUT_S = 120.0
+"""One surge request's client timeout: long prompts with long answers take tens of seconds
+behind a full KV cache, and an abandoned request would free its KV at once."""
+
+
+class LongPromptSurge:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        model: str,
+        *,
+        qps: float,
+        duration_s: float,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise InvalidInput(f"surge: expected an http:// gateway URL, got {url!r}")
+        self._host, self._port = parts.hostname, parts.port or 80
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        # one word per token, the same count the load, the gateways and the engines use
+        prompt = " ".join(["lorem"] * prompt_tokens)
+        self._body = json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+            }
+        ).encode()
+        self.qps = qps
+        self.duration_s = duration_s
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._scheduler: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._scheduler = threading.Thread(
+            target=self._schedule, name="llmchaos-surge", daemon=True
+        )
+        self._scheduler.start()
+
+    def _schedule(self) -> None:
+        start = time.monotonic()
+        sent = 0
+        while not self._stop.is_set():
+            due = start + sent / self.qps
+            if due - start >= self.duration_s:
+                return
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                return
+            thread = threading.Thread(target=self._send, name="llmchaos-surge-request", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+            sent += 1
+
+    def _send(self) -> None:
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=_TIMEOUT_S)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=self._body, headers=self._headers)
+            response = conn.getresponse()
+            response.read()
+            outcome = "ok" if response.status == 200 else f"{response.status // 100}xx"
+        except TimeoutError:
+            outcome = "timeout"
+        except OSError:
+            outcome = "connection"
+        finally:
+            conn.close()
+        with self._lock:
+            self.counts[outcome] += 1
+
+    def stop(self, timeout_s: float = 10.0) -> dict[str, int]:
+        """Send no more; wait up to `timeout_s` for the requests still out; the counts."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in [*([self._scheduler] if self._scheduler else []), *self._threads]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            counts = dict(self.counts)
+        counts["unfinished"] = sum(1 for t in self._threads if t.is_alive())
+        return counts
