@@ -216,7 +216,8 @@ def partition_registry_member(run: ChaosRun, member: str = "all") -> list[str]:
     names = registry_members(run, member)
     for name in names:
         undo = Undo("heal_registry_member", {"member": name})
-        with run.fault("partition_registry_member", name, undo):
+        with run.fault("partition_registry_member", name, undo) as details:
+            details["member"] = name
             run.target.partition_registry_member(name)
     return names
 

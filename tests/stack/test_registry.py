@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -227,3 +228,28 @@ def test_the_topology_names_each_members_etcd_process(stack: Topology) -> None:
         cmdline = Path(f"/proc/{member.pid}/cmdline").read_bytes().split(b"\0")
         assert Path(cmdline[0].decode()).name == "etcd" and member.name.encode() in cmdline
     assert leader(stack.registry.members) in {m.name for m in stack.registry.members}
+
+
+def test_registry_faults_that_hit_nothing_are_not_in_effect(
+    stack: Topology, registry_restored: EmbeddedTarget, needs_netns: None
+) -> None:
+    """Each registry fault's check, on a fault made to do nothing and on the real one."""
+    first, second = registry_restored.info().registry_members[:2]
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    aimed_wrong = registry_restored.verify(
+        "kill_registry_member", {"member": first, "pid": exited.pid}
+    )
+    assert aimed_wrong.in_effect is False and "not seen alive" in aimed_wrong.evidence
+    killed = registry_restored.kill_registry_member(first)  # the real kill
+    assert registry_restored.verify("kill_registry_member", killed).in_effect
+    member = stack.registry.member(second) if stack.registry else None
+    assert member is not None and member.pid
+    never_killed = registry_restored.verify(
+        "kill_registry_member", {**killed, "member": second, "pid": member.pid}
+    )
+    assert never_killed.in_effect is False and "still alive" in never_killed.evidence
+    registry_restored.partition_registry_member(second)
+    not_there = registry_restored.verify("partition_registry_member", {"member": first})
+    assert not_there.in_effect is False, not_there
+    assert registry_restored.verify("partition_registry_member", {"member": second}).in_effect

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import Verification
-from llmchaos.processes import pid_alive
+from llmchaos.processes import pid_alive, start_ticks
 from llmchaos.stack import cgroups, netns, tc
 from llmchaos.stack.agent import AgentSettings
 from llmchaos.stack.config import StackConfig, get_variant
@@ -42,7 +42,7 @@ from llmchaos.targets import Replicas, Target, TargetInfo, WorkerRef
 from llmchaos.targets.cache import expire_keys, expiry_verification, key_ttls
 from llmchaos.targets.embedded.gpu import GpuFaults
 from llmchaos.targets.embedded.network import NetworkFaults
-from llmchaos.targets.embedded.processes import ProcessFaults
+from llmchaos.targets.embedded.processes import _GONE_WITHIN_S, ProcessFaults, poll
 from llmchaos.targets.embedded.resources import ResourceFaults
 
 __all__ = ["EmbeddedTarget", "planned_info"]
@@ -165,10 +165,11 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
 
     def kill_registry_member(self, member: str) -> dict[str, Any]:
         info = self._registry().member(member)
-        if not info.pid or not pid_alive(info.pid):
+        started = start_ticks(info.pid) if info.pid else None
+        if started is None:
             raise StackError(f"registry member {member} is not running (pid {info.pid})")
         os.kill(info.pid, signal.SIGKILL)
-        return {"member": member, "pid": info.pid}
+        return {"member": member, "pid": info.pid, "start_ticks": started}
 
     def restart_registry_member(self, member: str) -> None:
         restart_member(self.topology, member)
@@ -187,6 +188,24 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
 
     def partition_registry_member(self, member: str) -> None:
         netns.partition_namespace(self._member_netns(member))
+
+    def verify_kill_registry_member(self, details: dict[str, Any]) -> Verification:
+        """The member's pid, seen alive at the kill, gone from /proc (only the undo starts it
+        again): a pid that had exited before is gone too, but was never seen alive."""
+        pid = int(details["pid"])
+        if details.get("start_ticks") is None:
+            return Verification(
+                False, f"registry member {details['member']}: pid {pid} not seen alive at the kill"
+            )
+        gone, after_s = poll(lambda: not pid_alive(pid), _GONE_WITHIN_S)
+        seen = f"gone within {after_s:.2f} s" if gone else f"still alive {after_s:g} s later"
+        return Verification(bool(gone), f"registry member {details['member']}: pid {pid} {seen}")
+
+    def verify_partition_registry_member(self, details: dict[str, Any]) -> Verification:
+        """The DROP rules in the member's namespace dropping: its peers' heartbeats and the
+        gateways' reads reach it all the time."""
+        namespace = self._member_netns(str(details["member"]))
+        return self._rules_rising(namespace, "partition", ("INPUT", "OUTPUT"))
 
     def heal_registry_member(self, member: str) -> None:
         namespace = self._registry().member(member).netns
