@@ -36,14 +36,12 @@ demo: setup
 		--journal-path reports/journal.json
 
 # The framework's own tests and the catalogue as a resilience suite (Allure results in
-# reports/allure-results/), in TEST_WORKERS xdist workers: most of a chaos run's time is waiting
-# (warm-up, windows, SLAs), so two workers on two cores take about half the time of one.
+# reports/allure-results/), two pytest sessions side by side (scripts/run-tests.sh says why).
 # The soak suite (hours) is left to `llmchaos gameday --suite soak`. pytest's exit code 5
 # (nothing collected) fails here like any other.
-TEST_WORKERS ?= 2
 test: setup k8s-bin
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not soak" tests suites
+	PYTHON=$(BIN)/python scripts/run-tests.sh
 
 # The Kubernetes control plane tests/k8s/ runs against, built from Go modules once into
 # ~/.cache/llmchaos/k8s/<version>/ (about 16 min cold on 2 cores), skipped when there.

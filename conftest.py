@@ -67,9 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
         str(arg).startswith("suites") for arg in config.args
     ):
         config.option.allure_report_dir = str(ALLURE_RESULTS)
-        # This run's results, not every run's; cleaned once, by xdist's controller (a worker
-        # cleaning it would delete what the other worker wrote).
-        config.option.clean_alluredir = not hasattr(config, "workerinput")
+        config.option.clean_alluredir = True  # this run's results, not every run's
     _set_basetemp(config)
     # SIGTERM (a CI runner cancelling the job) ends the session like Ctrl-C: fixtures stop
     # the stacks and runs they started instead of leaving them behind.
@@ -88,29 +86,6 @@ def _set_basetemp(config: pytest.Config) -> None:
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(old, ignore_errors=True)
     config.option.basetemp = str(TMP_ROOT / f"run-{os.getpid()}")
-
-
-SHARED_SERVER_DIRS = ("tests/k8s", "tests/hosts", "tests/prometheus")
-"""Test folders whose files share a session's servers (a control plane, LiteLLM, Prometheus):
-each runs whole in one xdist worker, so that the servers start once."""
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs two xdist workers (`--dist loadgroup`): a test file is one unit of
-    work (its module fixtures start once), a folder of SHARED_SERVER_DIRS one unit, and each
-    experiment of the suites one unit (its default and known-bad runs together)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
-
-
-def _work_unit(item: pytest.Item) -> str:
-    path = item.path.relative_to(REPO).as_posix()
-    case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
-    if path.startswith("suites/") and hasattr(case, "path"):
-        return f"{path}:{case.path.stem}"
-    return next((d for d in SHARED_SERVER_DIRS if path.startswith(d + "/")), path)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -199,6 +199,7 @@ def test_kill_gpu_process_through_real_exec(
         "worker": pod,
         "pod": pod,
         "node": node_of(deployed, pod),
+        "uid": deployed.core.read_namespaced_pod(pod, NS).metadata.uid,  # the check's anchor
         "pid": worker.pid,
         "pids": [worker.pid],
     }
