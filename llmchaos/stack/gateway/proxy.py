@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import aiohttp
 from aiohttp import web
@@ -99,18 +98,20 @@ class Proxy:
             if failure is not None:
                 self._metrics.upstream_retries.labels(reason=failure.reason).inc()
             tried.append(worker)
-            worker.outstanding += 1
-            sent_at = time.monotonic()
+            sent_at = worker.start()
+            ok = False
             try:
                 response = await self._attempt(request, worker, path, body, headers, stream)
+                ok = True
             except _AttemptFailed as exc:
-                answered = exc.response is not None
-                self._pool.eject(worker, exc.reason, answered=answered, sent_at=sent_at)
+                self._pool.eject(
+                    worker, exc.reason, answered=exc.response is not None, sent_at=sent_at
+                )
                 self._metrics.upstream_failures.labels(worker=worker.name, reason=exc.reason).inc()
                 failure = exc
                 continue
             finally:
-                worker.outstanding -= 1
+                worker.finish(sent_at, ok)
             return response, worker.mode
         if failure is None:
             raise ApiError(
