@@ -113,6 +113,12 @@ def member_argv(
         "--initial-cluster-state", "new",
         "--initial-cluster-token", token,
         "--log-level", "warn",
+        # Timing as etcd's tuning guide has it for members a few ms apart rather than on one
+        # LAN (election >= 10 x RTT): a lost leader leaves the cluster leaderless 2-4 s, longer
+        # than one discovery poll (3 members x 0.5 s). With the 1 s default the election often
+        # ended inside one poll, and registry_leader_loss's known-bad gateway never saw it.
+        "--heartbeat-interval", "200",
+        "--election-timeout", "2000",
     ]  # fmt: skip
     if member.netns:
         argv = ["ip", "netns", "exec", member.netns, *argv]
