@@ -163,6 +163,19 @@ def signal_and_wait(
     return out or "", err or "", time.monotonic() - sent
 
 
+def stop_gracefully(proc: subprocess.Popen[Any], timeout_s: float = 60.0) -> None:
+    """End a process a test started as a user would: SIGTERM (it stops what it started), then
+    SIGKILL only if it has not ended within `timeout_s`. A test that fails or is interrupted
+    (Ctrl-C, CI cancelling) must not leave its run's stack behind."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture
 def busy_cores() -> Iterator[None]:
     """Every core kept busy by a spinning process while the test runs: signal and timing

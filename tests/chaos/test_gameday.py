@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO, signal_and_wait
+from conftest import REPO, signal_and_wait, stop_gracefully
 from llmchaos import gameday
 from llmchaos.gameday import AllureMissing
 from llmchaos.report.score import pooled_score
@@ -196,8 +196,7 @@ def test_an_interrupted_game_day_stops_its_running_experiment(tmp_path: Path) ->
         _wait_for_file(run_file.parent, "load/timeline.jsonl", proc)
         out, _, took_s = signal_and_wait(proc, signal.SIGTERM, 240)
     finally:
-        proc.kill()
-        proc.wait()
+        stop_gracefully(proc)
     assert proc.returncode == 130, out[-3000:]
     assert took_s < 120, took_s
     run = json.loads(run_file.read_text())

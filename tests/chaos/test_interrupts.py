@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, chaos_run, interrupt_cases, repeat_count
+from conftest import REPO, chaos_run, interrupt_cases, repeat_count, stop_gracefully
 from llmchaos.load.api import find_load_processes
 from llmchaos.stack.cleanup import leftovers
 from llmchaos.stack.netns import list_namespaces
@@ -98,7 +98,7 @@ def _wait_for_phase(
                 if now in PHASES and PHASES.index(now) >= wanted:
                     return run_file.parent
         time.sleep(0.01)
-    proc.kill()
+    stop_gracefully(proc)
     raise AssertionError(f"no phase {phase} within {timeout_s} s:\n" + log.read_text()[-3000:])
 
 
@@ -113,7 +113,7 @@ def _wait_for_fault(
             if ledger.parent != other and '"event": "injected"' in ledger.read_text():
                 return ledger.parent
         time.sleep(0.2)
-    proc.kill()
+    stop_gracefully(proc)
     raise AssertionError("no fault within 90 s:\n" + log.read_text()[-3000:])
 
 
@@ -143,8 +143,7 @@ def _interrupt_at(tmp_path: Path, sig: signal.Signals, phase: str) -> None:
         code = proc.wait(timeout=120)
         took_s = time.monotonic() - sent
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_gracefully(proc)
     output = log.read_text()
     assert took_s < 60, f"{sig.name} in {phase} took {took_s:.0f} s to honour"
     run = _assert_nothing_left(run_dir)
@@ -191,8 +190,7 @@ def test_without_rollbacks_the_ledger_undoes_the_fault(
             time.sleep(0.3)
         code = proc.wait(timeout=90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_gracefully(proc)
     output = log.read_text()
     assert code == 1, output[-3000:]
     run = _assert_nothing_left(run_dir)
@@ -230,8 +228,7 @@ def _kill_9_at(
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_gracefully(proc)
     return run_dir
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import interrupt_cases, repeat_count, signal_and_wait
+from conftest import interrupt_cases, repeat_count, signal_and_wait, stop_gracefully
 from llmchaos.cli import main
 from llmchaos.stack.cleanup import leftovers
 
@@ -142,8 +142,7 @@ def _interrupt_stack_up(
                 break
         _, err, took_s = signal_and_wait(proc, sig, 30)
     finally:
-        proc.kill()
-        proc.wait()
+        stop_gracefully(proc)
     err = "".join(seen) + err
     assert proc.returncode == 130, err
     assert "removing what was started" in err
