@@ -87,7 +87,7 @@ def test_a_killed_server_is_restarted_like_a_kubelet_would(open_target: Opener) 
     killed = target.kill_gpu_process("gpu-0")
     assert killed["pid"] == before and not pid_alive(before)
     assert killed["via"].startswith("server pid")  # no nvidia-smi on this machine
-    verified = target.verify("kill_gpu_process", killed)
+    verified = target.verify("kill_gpu_process", {"killed": [killed]})  # as the run keeps it
     assert verified.in_effect is True and "new pid" in verified.evidence, verified
     assert _wait(lambda: target.healthy_workers("gpu") == 2, 15 + GPU_LOAD_S)
     after = target.supervisor.pid("gpu-0")

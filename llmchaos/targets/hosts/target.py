@@ -297,7 +297,14 @@ class HostsTarget(Target):
 
     # -- checks --------------------------------------------------------------------------
     def verify_kill_gpu_process(self, details: dict[str, Any]) -> Verification:
-        """The pids gone; with a supervisor, the server running again as a new pid."""
+        """Each killed server's pids gone; with a supervisor, running again as a new pid.
+        `details` as the run keeps them: {"killed": [what kill_gpu_process returned, ...]}."""
+        checks = [self._verify_killed_server(item) for item in details.get("killed") or []]
+        if not checks:
+            return Verification(False, "no process was killed")
+        return Verification(all(c.in_effect for c in checks), "; ".join(c.evidence for c in checks))
+
+    def _verify_killed_server(self, details: dict[str, Any]) -> Verification:
         killed = list(details.get("pids") or [details["pid"]])
         alive = [pid for pid in killed if pid_alive(pid)]
         evidence = f"{details['worker']}: pids {killed} " + (
