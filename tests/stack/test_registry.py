@@ -243,7 +243,8 @@ def test_registry_faults_that_hit_nothing_are_not_in_effect(
     assert aimed_wrong.in_effect is False and "not seen alive" in aimed_wrong.evidence
     killed = registry_restored.kill_registry_member(first)  # the real kill
     assert registry_restored.verify("kill_registry_member", killed).in_effect
-    member = stack.registry.member(second) if stack.registry else None
+    registry = registry_restored.topology.registry  # read again: earlier tests restarted members
+    member = registry.member(second) if registry else None
     assert member is not None and member.pid
     never_killed = registry_restored.verify(
         "kill_registry_member", {**killed, "member": second, "pid": member.pid}
