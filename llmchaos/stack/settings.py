@@ -266,9 +266,8 @@ class GatewaySettings:
     variant, where only the active checks judge a worker, so one that passes them while it
     fails inference keeps its share of the traffic."""
     round_robin: bool = False
-    """Spread requests in turn over the healthy workers instead of to the one with the lowest
-    latency x outstanding: the `round-robin` variant, blind to a worker that is slow without
-    failing."""
+    """Spread requests in turn over the healthy workers instead of to the one with the fewest
+    outstanding: the `round-robin` variant, blind to a worker that is slow without failing."""
     connect_timeout_s: float = 1.0
     """Upstream connect timeout; a partitioned node shows as a connect timeout."""
     first_byte_timeout_s: float = 6.0

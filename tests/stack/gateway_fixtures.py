@@ -153,9 +153,8 @@ class FakeUpstream:
     """An OpenAI-compatible worker whose behaviour the test sets between requests.
 
     behaviour: "ok", "fail" (500), "hang" (no headers until stopped), "cut_stream" (one SSE
-    chunk, then the connection drops). `hold` makes requests wait for an event, `answer_delay_s`
-    delays every answer (a slow worker that still succeeds); `health_status`, `health_state` and
-    `health_hang` drive /healthz.
+    chunk, then the connection drops). `hold` makes requests wait for an event; `health_status`,
+    `health_state` and `health_hang` drive /healthz.
     """
 
     def __init__(self, name: str, mode: ServingMode = "gpu", max_num_seqs: int = 8) -> None:
@@ -164,7 +163,6 @@ class FakeUpstream:
         self.max_num_seqs = max_num_seqs
         self.behaviour = "ok"
         self.chunk_gap_s = 0.0
-        self.answer_delay_s = 0.0
         self.hold: asyncio.Event | None = None
         self.health_status = 200
         self.health_state = "ready"
@@ -224,7 +222,6 @@ class FakeUpstream:
         try:
             if self.hold is not None:
                 await self.hold.wait()
-            await asyncio.sleep(self.answer_delay_s)
             if self.behaviour == "hang":
                 await asyncio.sleep(3600)
             if self.behaviour == "fail":

@@ -85,23 +85,6 @@ async def test_concurrent_requests_go_to_the_least_outstanding_worker(
         assert [r[0] for r in await asyncio.gather(*replies)] == [200] * 6
 
 
-@pytest.mark.asyncio
-async def test_a_slow_worker_that_succeeds_gets_one_trial_request_at_a_time(
-    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
-) -> None:
-    # a degraded link: every answer succeeds, late; nothing fails, so nothing ejects it
-    slow, fast = await upstreams("gpu-0"), await upstreams("gpu-1")
-    slow.answer_delay_s = 0.5
-    async with running_gateway(_settings(redis_server, token_db, [slow, fast])) as gw:
-        for _ in range(6):
-            replies = await asyncio.gather(*(gw.chat() for _ in range(4)))
-            assert [r[0] for r in replies] == [200] * 4
-    # least outstanding splits each wave 2/2 (12 of 24 to gpu-0); by latency, gpu-0 gets its
-    # share of the first wave (no answer yet), then one trial at a time beside the fast waves
-    assert len(slow.received) <= 4, (len(slow.received), len(fast.received))
-    assert len(slow.received) + len(fast.received) == 24
-
-
 @pytest.mark.parametrize("failure", ["refuse", "connect_hang", "first_byte_hang", "http_500"])
 @pytest.mark.asyncio
 async def test_failing_worker_is_retried_elsewhere_and_ejected(

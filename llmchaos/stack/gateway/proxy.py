@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 from aiohttp import web
@@ -98,20 +99,18 @@ class Proxy:
             if failure is not None:
                 self._metrics.upstream_retries.labels(reason=failure.reason).inc()
             tried.append(worker)
-            sent_at = worker.start()
-            ok = False
+            worker.outstanding += 1
+            sent_at = time.monotonic()
             try:
                 response = await self._attempt(request, worker, path, body, headers, stream)
-                ok = True
             except _AttemptFailed as exc:
-                self._pool.eject(
-                    worker, exc.reason, answered=exc.response is not None, sent_at=sent_at
-                )
+                answered = exc.response is not None
+                self._pool.eject(worker, exc.reason, answered=answered, sent_at=sent_at)
                 self._metrics.upstream_failures.labels(worker=worker.name, reason=exc.reason).inc()
                 failure = exc
                 continue
             finally:
-                worker.finish(sent_at, ok)
+                worker.outstanding -= 1
             return response, worker.mode
         if failure is None:
             raise ApiError(

@@ -22,25 +22,11 @@ Rules (also in the gateway's README section):
 - capacity: a worker can take a request while outstanding < max_num_seqs * (1 + ratio), ratio
   = `worker_queue_allowance_ratio` for gpu workers, `cpu_queue_allowance_ratio` (0) for cpu
   ones (max_num_seqs read from /healthz).
-- selection: the lowest cost, latency estimate x (outstanding + 1), (in turn with
-  `round_robin`, a known-bad variant) among healthy gpu workers with capacity; else (cpu_fallback)
-  healthy cpu workers with capacity; else the lowest cost healthy gpu worker even though it
+- selection: least outstanding (in turn with `round_robin`, a known-bad variant) among
+  healthy gpu workers with capacity; else (cpu_fallback)
+  healthy cpu workers with capacity; else the least loaded healthy gpu worker even though it
   is full (its queue is shorter to wait in than a cpu one), else a full cpu worker; else none
   (-> 503 no_healthy_upstream). Ties rotate so that an idle pool spreads requests.
-  The latency estimate is a peak EWMA of each worker's answer times (until the answer is
-  read to its end, a stream included): it jumps to a slower answer at once, follows faster
-  ones over `_LATENCY_DECAY_S` and decays towards 0 while the worker gets none; a request
-  still unanswered counts with its age. That is Finagle's and Linkerd's "P2C + peak EWMA"
-  cost (finagle-core loadbalancer/PeakEwma.scala, decayTime 10 s; Envoy's contrib
-  peak_ewma), over all candidates instead of two random ones: a pool here has a handful.
-  Least outstanding alone cannot see a worker whose answers succeed slowly (a degraded
-  link): it fails nothing and finishes its requests, so nothing ejects it.
-  A latency outlier (estimate over twice the fastest healthy peer's, and over 0.4 s) gets
-  one request at a time, a circuit breaker's half-open trial: it keeps its estimate fresh,
-  so it is back as soon as its answers are. The cost alone is not enough for an LLM
-  engine: it batches, so its latency hardly grows with outstanding and the (outstanding + 1)
-  of a busy fast worker keeps sending the slow one a share (measured on network_degradation:
-  13% of answers from the degraded node, 1-6 s each, P99 over the 3 s SLO).
 - without `failover` (the `no-failover` variant): round-robin over all gpu workers (cpu
   workers only when there is no gpu worker and `cpu_fallback` is on), ignoring health,
   ejection and capacity, and the proxy does not retry: a Kubernetes Service without readiness
@@ -71,17 +57,6 @@ from llmchaos.stack.settings import GatewaySettings, UpstreamWorker
 
 __all__ = ["Worker", "WorkerPool"]
 
-_LATENCY_DECAY_S = 10.0
-"""Time constant of the latency estimate (Finagle's and Linkerd's default decay)."""
-_MIN_LATENCY_S = 0.05
-"""Floor of the estimate: outstanding requests still count before any answer, and answers
-faster than this (a cache's, a test's; an LLM's first token alone takes longer) are equally
-fast, so an idle pool of them takes turns instead of following noise."""
-_OUTLIER_RATIO = 2.0
-_OUTLIER_FLOOR_S = 0.2
-"""A worker whose latency estimate is over _OUTLIER_RATIO x the fastest healthy peer's (or
-x this floor, so that 10 ms against 30 ms is no outlier) is a latency outlier."""
-
 log = logging.getLogger(__name__)
 
 
@@ -90,7 +65,6 @@ class Worker:
 
     __slots__ = (
         "_queue_ratio",
-        "_sent_at",
         "bad_answers",
         "capacity",
         "check_timeouts",
@@ -98,11 +72,10 @@ class Worker:
         "ejected_at",
         "ejected_until",
         "health_url",
-        "latency_at",
-        "latency_s",
         "max_num_seqs",
         "mode",
         "name",
+        "outstanding",
         "ready",
         "upstream",
         "urls",
@@ -117,8 +90,7 @@ class Worker:
         self.urls = {path: URL(base + path) for path in (CHAT_PATH, COMPLETIONS_PATH)}
         """The worker's generation routes by API path."""
         self.health_url = URL(base + "/healthz")
-        self._sent_at: list[float] = []
-        """Monotonic send times of the requests in flight, oldest first."""
+        self.outstanding = 0
         self.ready = False
         self.check_timeouts = 0
         """Active checks in a row that timed out."""
@@ -128,9 +100,6 @@ class Worker:
         self.ejected_at = -math.inf
         self.bad_answers = 0
         """Ejections in a row for a bad answer (the outlier multiplier); 0 for a timeout's."""
-        self.latency_s = 0.0
-        """Peak-EWMA of the time to an answer, as of `latency_at` (monotonic)."""
-        self.latency_at = 0.0
         self._queue_ratio = queue_ratio
         self.max_num_seqs = 1
         self.capacity = 1
@@ -140,47 +109,6 @@ class Worker:
         """Record the batch size the worker reported and the capacity that follows."""
         self.max_num_seqs = max_num_seqs
         self.capacity = max_num_seqs + math.ceil(max_num_seqs * self._queue_ratio)
-
-    @property
-    def outstanding(self) -> int:
-        """Requests sent to the worker and not answered yet."""
-        return len(self._sent_at)
-
-    def start(self) -> float:
-        """Count a request sent now; returns its monotonic send time for `finish`."""
-        sent_at = time.monotonic()
-        self._sent_at.append(sent_at)
-        return sent_at
-
-    def finish(self, sent_at: float, ok: bool) -> None:
-        """Uncount the request sent at `sent_at`; if it was answered (`ok`), fold its latency
-        into the peak-EWMA estimate (a failure is the ejection's business, and a fast refusal
-        must not make a worker look fast)."""
-        self._sent_at.remove(sent_at)
-        if not ok:
-            return
-        now = time.monotonic()
-        latency_s = now - sent_at
-        weight = math.exp(-max(0.0, now - self.latency_at) / _LATENCY_DECAY_S)
-        decayed_s = self.latency_s * weight
-        if latency_s > decayed_s:
-            self.latency_s = latency_s  # a peak counts at once
-        else:
-            self.latency_s = decayed_s + latency_s * (1.0 - weight)
-        self.latency_at = now
-
-    def latency_estimate_s(self, now: float) -> float:
-        """The peak-EWMA latency at monotonic `now`, or the age of the oldest request still
-        unanswered if that is longer: the estimate learns only from answers, and the requests
-        a slow worker sits on are the ones it has not answered yet."""
-        decayed_s = self.latency_s * math.exp(-max(0.0, now - self.latency_at) / _LATENCY_DECAY_S)
-        oldest_s = now - self._sent_at[0] if self._sent_at else 0.0
-        return max(decayed_s, oldest_s)
-
-    def cost(self, now: float) -> float:
-        """Expected wait of one more request: latency estimate x (outstanding + 1)."""
-        latency_s = max(_MIN_LATENCY_S, self.latency_estimate_s(now))
-        return latency_s * (len(self._sent_at) + 1)
 
     def healthy(self, now: float) -> bool:
         """Passes active checks and is not ejected at monotonic time `now`."""
@@ -258,13 +186,7 @@ class WorkerPool:
         within_capacity: bool,
     ) -> Worker | None:
         best: Worker | None = None
-        best_cost = math.inf
         count = len(workers)
-        fastest_s = min((w.latency_estimate_s(now) for w in workers if w.healthy(now)), default=0)
-        # a full pool takes what it can get, outliers included
-        outlier_s = (
-            _OUTLIER_RATIO * max(fastest_s, _OUTLIER_FLOOR_S) if within_capacity else math.inf
-        )
         for i in range(count):
             worker = workers[(self._rotation + i) % count]
             if not worker.healthy(now) or worker in exclude:
@@ -273,11 +195,8 @@ class WorkerPool:
                 continue
             if self._in_turn:
                 return worker  # the first eligible in turn
-            if worker.outstanding and worker.latency_estimate_s(now) > outlier_s:
-                continue  # a latency outlier: one trial request at a time
-            cost = worker.cost(now)
-            if cost < best_cost:
-                best, best_cost = worker, cost
+            if best is None or worker.outstanding < best.outstanding:
+                best = worker
         return best
 
     def eject(
