@@ -44,6 +44,7 @@ __all__ = [
     "scale_out_s",
     "served_in_mode_since_fault",
     "serving_mode_share",
+    "settle_at_min_replicas",
     "slo",
     "tpot_p99_ms",
     "ttft_p99_ms",
@@ -443,6 +444,29 @@ def _settled_window(run: ChaosRun, since_ts: float, until_ts: float) -> dict[str
         time.sleep(_POLL_S)
         window = run.traffic.window(since_ts=since_ts, until_ts=until_ts)
     return window
+
+
+def settle_at_min_replicas(run: ChaosRun, timeout_s: float = 60.0) -> float:
+    """Before a pulse: wait until the GPU pool is at its minimum, every replica ready, so that
+    the pulse starts from the pool's floor (an autoscaler may scale out during the warm-up
+    when the machine is busy, and scales back in after its window). Returns the seconds
+    waited; a pool still above its minimum after `timeout_s` is left to the scale-out watch,
+    which then says so."""
+    timeout_s = as_number("timeout_s", timeout_s)
+    started = time.monotonic()
+    replicas = run.target.replicas()
+    while replicas.min_replicas is not None and time.monotonic() - started < timeout_s:
+        if replicas.desired <= replicas.min_replicas and replicas.ready >= replicas.desired:
+            break
+        time.sleep(_WATCH_POLL_S * 5)
+        replicas = run.target.replicas()
+    waited_s = round(time.monotonic() - started, 2)
+    if waited_s >= 1.0:
+        run.notes.append(
+            f"autoscaling: waited {waited_s} s for the pool to settle at its minimum "
+            f"({replicas.desired} replicas, min {replicas.min_replicas}) before the pulse"
+        )
+    return waited_s
 
 
 def watch_scale_out(run: ChaosRun, timeout_s: float = 60.0) -> dict[str, Any]:

@@ -21,6 +21,7 @@ __all__ = [
     "scale_out_s",
     "served_in_mode_since_fault",
     "serving_mode_share",
+    "settle_at_min_replicas",
     "watch_degradation",
     "watch_scale_in",
     "watch_scale_out",
@@ -80,6 +81,12 @@ def degraded_unshed_failure_rate() -> float:
     """Share of the requests of the degraded overload that failed other than by a 429
     (timeouts, 5xx, broken answers); 0 before the method, fails when it never degraded."""
     return measure.degraded_unshed_failure_rate(current_run())
+
+
+def settle_at_min_replicas(timeout_s: float = 60.0) -> float:
+    """In the method, before a pulse: wait (up to `timeout_s`) until the GPU pool is at its
+    minimum with every replica ready; the seconds waited."""
+    return measure.settle_at_min_replicas(current_run(), timeout_s)
 
 
 def watch_scale_out(timeout_s: float = 60.0) -> dict[str, Any]:
