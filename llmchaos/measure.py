@@ -461,6 +461,9 @@ def settle_at_min_replicas(run: ChaosRun, timeout_s: float = 60.0) -> float:
         time.sleep(_WATCH_POLL_S * 5)
         replicas = run.target.replicas()
     waited_s = round(time.monotonic() - started, 2)
+    # the watch's "before": the pulse's own action returns seconds later (its rate check),
+    # by when the autoscaler may already have acted
+    run.findings["replicas_at_rest"] = replicas
     if waited_s >= 1.0:
         run.notes.append(
             f"autoscaling: waited {waited_s} s for the pool to settle at its minimum "
@@ -472,11 +475,13 @@ def settle_at_min_replicas(run: ChaosRun, timeout_s: float = 60.0) -> float:
 def watch_scale_out(run: ChaosRun, timeout_s: float = 60.0) -> dict[str, Any]:
     """Right after the load's pulse starts (its fault): read the GPU pool's replicas every
     0.5 s until the autoscaler has asked for more and as many are ready, or `timeout_s`. The
-    times (from the pulse's start) go to the run's findings and are returned."""
+    times (from the pulse's start; a decision already made at the first read counts at that
+    read) go to the run's findings and are returned. More than before: than the pool at rest
+    (`settle_at_min_replicas`), else than the first read."""
     timeout_s = as_number("timeout_s", timeout_s)
     target = run.target
     pulse_ts = run.last_fault_ts() or time.time()
-    before = target.replicas()
+    before = run.findings.get("replicas_at_rest") or target.replicas()
     decided = ready = None
     peak = before.desired
     last = before
