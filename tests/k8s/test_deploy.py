@@ -214,7 +214,7 @@ def test_deploy_applies_to_a_real_api_server(deployed: DeployedStack) -> None:
     pod on its own GPU node, the CPU engine on the node without a GPU."""
     from kubernetes.dynamic import DynamicClient
 
-    dynamic = DynamicClient(deployed.api)
+    dynamic = DynamicClient(deployed.api, cache_file=str(deployed.plane.discovery_cache))
     for _, doc in DOCS:
         resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
         namespace = doc["metadata"].get("namespace")
