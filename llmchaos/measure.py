@@ -317,13 +317,13 @@ def watch_degradation(
     degraded_for_s = as_number("degraded_for_s", degraded_for_s)
     target = run.target
     started = time.time()
-    entered0 = target.gateway_metric(DEGRADED_COUNTER)
-    answers0 = target.gateway_metric(DEGRADED_ANSWERS)
+    first = target.gateway_metrics((DEGRADED_COUNTER, DEGRADED_ANSWERS, DEGRADED_NOW))
+    entered0, answers0 = first[DEGRADED_COUNTER], first[DEGRADED_ANSWERS]
     crossed = jumped = None
-    # A gateway may degrade between the overload's start and these first reads (seen on a
-    # busy machine: its /metrics took longer than the queue took to pass the threshold); it
-    # fired before the watch could see the crossing, so its delay counts as 0.
-    if target.gateway_metric(DEGRADED_NOW) > 0:
+    # A gateway may degrade between the overload's start and this first read (seen on a busy
+    # machine: its /metrics took longer than the queue took to pass the threshold); it fired
+    # before the watch could see the crossing, so its delay counts as 0.
+    if first[DEGRADED_NOW] > 0:
         jumped = 0.0
     unread = 0
     peak = peak_degraded = 0.0

@@ -27,6 +27,7 @@ __all__ = [
     "pid_alive",
     "process_state",
     "start_ticks",
+    "stat_fields",
     "stop_group",
     "stop_pids",
 ]
@@ -35,29 +36,26 @@ __all__ = [
 def process_state(pid: int) -> str | None:
     """The kernel's state letter of process `pid` (R running, S sleeping, T stopped by a
     signal, Z zombie, ...: proc(5)); None when there is no such process."""
-    try:
-        return _stat_fields(Path(f"/proc/{pid}/stat").read_text())[0]
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
 
 
 def start_ticks(pid: int) -> int | None:
     """Start time of the live process `pid` (clock ticks after boot); None when there is no
     such process or it is a zombie (dead, not yet reaped by its parent)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
-        return None
-    fields = _stat_fields(stat)
-    if fields[0] in ("Z", "X"):
+    fields = stat_fields(pid)
+    if not fields or fields[0] in ("Z", "X"):
         return None
     return int(fields[19])  # field 22: starttime
 
 
-def _stat_fields(stat: str) -> list[str]:
-    """Fields 3 (state) onwards of /proc/<pid>/stat: after the command name, which is in
-    parentheses and may hold spaces."""
-    return stat.rsplit(")", 1)[1].split()
+def stat_fields(pid: int | str) -> list[str] | None:
+    """Fields 3 (state) onwards of /proc/<pid>/stat, after the command name (in parentheses,
+    may hold spaces): [state, ppid, pgrp, ...]; None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):  # ended meanwhile
+        return None
 
 
 def pid_alive(pid: int) -> bool:
@@ -160,11 +158,8 @@ def group_members(pgid: int, leader_ticks: int | None = None) -> list[int]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            fields = _stat_fields((entry / "stat").read_text())
-        except (OSError, IndexError):  # ended meanwhile
-            continue
-        if fields[0] in ("Z", "X") or int(fields[2]) != pgid:  # field 5: pgrp
+        fields = stat_fields(entry.name)
+        if not fields or fields[0] in ("Z", "X") or int(fields[2]) != pgid:  # field 5: pgrp
             continue
         if leader_ticks is None or int(fields[19]) >= leader_ticks:
             members.append(int(entry.name))

@@ -440,11 +440,16 @@ class Target(ABC):
         tell."""
         raise InvalidInput(f"{type(self).__name__}: cannot read the GPU pool's replicas")
 
+    def gateway_metrics(self, names: tuple[str, ...]) -> dict[str, float]:
+        """Sum over the gateways of the samples of each metric of `names` on their /metrics
+        (e.g. `service_degraded_total`), one read of each gateway for all of them; a gateway
+        that does not answer counts for nothing. InvalidInput on targets whose gateways
+        cannot be read."""
+        raise InvalidInput(f"{type(self).__name__}: cannot read the gateways' metrics {names}")
+
     def gateway_metric(self, name: str) -> float:
-        """Sum over the gateways of the samples of metric `name` on their /metrics (e.g.
-        `service_degraded_total`); 0 from a gateway that does not answer. InvalidInput on
-        targets whose gateways cannot be read."""
-        raise InvalidInput(f"{type(self).__name__}: cannot read the gateways' metric {name!r}")
+        """`gateway_metrics` of one metric."""
+        return self.gateway_metrics((name,))[name]
 
     def requests_taken(self) -> dict[str, float] | None:
         """Requests each worker's engine has taken so far, by worker name: those it finished

@@ -291,19 +291,18 @@ class ControlPlane:
 
         self.create([d for d in yaml.safe_load_all(path.read_text()) if d])
 
-    @property
-    def discovery_cache(self) -> Path:
-        """Where the dynamic client caches API discovery (by default a file in /tmp, which
-        the tests must not leave behind)."""
-        return self.root / "discovery-cache.json"
+    def dynamic_client(self, api: Any) -> Any:
+        """A kubernetes DynamicClient over `api`, caching API discovery in this control
+        plane's folder (by default a file in /tmp, which the tests must not leave behind)."""
+        from kubernetes.dynamic import DynamicClient
+
+        return DynamicClient(api, cache_file=str(self.root / "discovery-cache.json"))
 
     def create(self, docs: list[dict[str, Any]]) -> None:
         """Create objects of any kind as admin, in order (the server validates each)."""
-        from kubernetes.dynamic import DynamicClient
-
         api = self.admin_client()
         try:
-            dynamic = DynamicClient(api, cache_file=str(self.discovery_cache))
+            dynamic = self.dynamic_client(api)
             for doc in docs:
                 resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
                 namespace = doc["metadata"].get("namespace") if resource.namespaced else None

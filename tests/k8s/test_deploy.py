@@ -212,9 +212,7 @@ def test_deploy_applies_to_a_real_api_server(deployed: DeployedStack) -> None:
     """`deployed` applied deploy/ (the server validated every object, admission included) and
     waited for every Deployment; here: all objects are there, and the scheduler put each GPU
     pod on its own GPU node, the CPU engine on the node without a GPU."""
-    from kubernetes.dynamic import DynamicClient
-
-    dynamic = DynamicClient(deployed.api, cache_file=str(deployed.plane.discovery_cache))
+    dynamic = deployed.plane.dynamic_client(deployed.api)
     for _, doc in DOCS:
         resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
         namespace = doc["metadata"].get("namespace")

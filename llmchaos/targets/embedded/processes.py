@@ -24,7 +24,7 @@ from llmchaos.stack.topology import read_agent_state
 if TYPE_CHECKING:
     from llmchaos.stack.topology import Topology
 
-__all__ = ["ProcessFaults", "poll"]
+__all__ = ["ProcessFaults", "pid_gone", "poll"]
 
 _GONE_WITHIN_S = 2.0
 """A SIGKILLed process is gone from /proc within this (its parent reaps it at once)."""
@@ -43,6 +43,16 @@ def poll(check: Any, timeout_s: float) -> tuple[Any, float]:
         if time.monotonic() - start >= timeout_s:
             return None, timeout_s
         time.sleep(_POLL_S)
+
+
+def pid_gone(who: str, pid: int) -> Verification:
+    """`who`'s process `pid` gone from /proc within a SIGKILLed process's time to go."""
+    gone, after_s = poll(lambda: not pid_alive(pid), _GONE_WITHIN_S)
+    if gone:
+        return Verification(True, f"{who}: pid {pid} gone within {after_s:.2f} s")
+    return Verification(
+        False, f"{who}: pid {pid} still alive (state {process_state(pid)}) {after_s:g} s later"
+    )
 
 
 class ProcessFaults:
@@ -140,16 +150,15 @@ class ProcessFaults:
         lines, in_effect = [], True
         for item in killed:
             worker, pid = str(item["worker"]), int(item["pid"])
-            gone, after_s = poll(lambda p=pid: not pid_alive(p), _GONE_WITHIN_S)
-            if not gone:
+            gone = pid_gone(worker, pid)
+            if not gone.in_effect:
                 in_effect = False
-                state = process_state(pid)
-                lines.append(f"{worker}: pid {pid} still alive (state {state}) {after_s:g} s later")
+                lines.append(gone.evidence)
                 continue
             # a pid that exited before the kill is gone too: the restart tells the two apart
             restarted, how = self._restarted(worker, pid, float(item.get("killed_at", 0.0)))
             in_effect = in_effect and restarted
-            lines.append(f"{worker}: pid {pid} gone within {after_s:.2f} s; {how}")
+            lines.append(f"{gone.evidence}; {how}")
         return Verification(in_effect, "; ".join(lines))
 
     def verify_hang_gpu_process(self, details: dict[str, Any]) -> Verification:
@@ -163,14 +172,4 @@ class ProcessFaults:
 
     def verify_crash_gateway(self, details: dict[str, Any]) -> Verification:
         """The gateway's pid gone from /proc."""
-        pid = int(details["pid"])
-        gone, after_s = poll(lambda: not pid_alive(pid), _GONE_WITHIN_S)
-        if gone:
-            return Verification(
-                True, f"{details['gateway']}: pid {pid} gone within {after_s:.2f} s"
-            )
-        return Verification(
-            False,
-            f"{details['gateway']}: pid {pid} still alive (state {process_state(pid)}) "
-            f"{after_s:g} s later",
-        )
+        return pid_gone(str(details["gateway"]), int(details["pid"]))

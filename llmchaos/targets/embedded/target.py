@@ -42,7 +42,7 @@ from llmchaos.targets import Replicas, Target, TargetInfo, WorkerRef
 from llmchaos.targets.cache import expire_keys, expiry_verification, key_ttls
 from llmchaos.targets.embedded.gpu import GpuFaults
 from llmchaos.targets.embedded.network import NetworkFaults
-from llmchaos.targets.embedded.processes import _GONE_WITHIN_S, ProcessFaults, poll
+from llmchaos.targets.embedded.processes import ProcessFaults, pid_gone
 from llmchaos.targets.embedded.resources import ResourceFaults
 
 __all__ = ["EmbeddedTarget", "planned_info"]
@@ -192,14 +192,10 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
     def verify_kill_registry_member(self, details: dict[str, Any]) -> Verification:
         """The member's pid, seen alive at the kill, gone from /proc (only the undo starts it
         again): a pid that had exited before is gone too, but was never seen alive."""
-        pid = int(details["pid"])
+        who, pid = f"registry member {details['member']}", int(details["pid"])
         if details.get("start_ticks") is None:
-            return Verification(
-                False, f"registry member {details['member']}: pid {pid} not seen alive at the kill"
-            )
-        gone, after_s = poll(lambda: not pid_alive(pid), _GONE_WITHIN_S)
-        seen = f"gone within {after_s:.2f} s" if gone else f"still alive {after_s:g} s later"
-        return Verification(bool(gone), f"registry member {details['member']}: pid {pid} {seen}")
+            return Verification(False, f"{who}: pid {pid} not seen alive at the kill")
+        return pid_gone(who, pid)
 
     def verify_partition_registry_member(self, details: dict[str, Any]) -> Verification:
         """The DROP rules in the member's namespace dropping: its peers' heartbeats and the
@@ -268,17 +264,17 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
         except (OSError, ValueError, KeyError):
             return None
 
-    def gateway_metric(self, name: str) -> float:
+    def gateway_metrics(self, names: tuple[str, ...]) -> dict[str, float]:
         """Raises StackError when no gateway answered (a busy gateway's /metrics can take
         longer than an engine's: 2 s each)."""
         read = [
-            _metrics(g.url + "/metrics", (name,), _GATEWAY_READ_TIMEOUT_S)
+            _metrics(g.url + "/metrics", names, _GATEWAY_READ_TIMEOUT_S)
             for g in self.topology.gateways
         ]
-        answered = [r[name] for r in read if r is not None]
+        answered = [r for r in read if r is not None]
         if not answered:
-            raise StackError(f"no gateway answered /metrics for {name}")
-        return sum(answered)
+            raise StackError(f"no gateway answered /metrics for {', '.join(names)}")
+        return {name: sum(r[name] for r in answered) for name in names}
 
     def engine_stats(self) -> dict[str, float] | None:
         """vLLM's metrics over the workers that answer: the fullest KV cache, preemptions so

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from llmchaos.errors import InvalidInput
-from llmchaos.processes import group_members, pid_alive, start_ticks
+from llmchaos.processes import group_members, pid_alive, start_ticks, stat_fields
 from llmchaos.signals import deferred
 
 __all__ = [
@@ -84,14 +84,6 @@ def listeners(port: int, netns_pid: int | None = None) -> list[int]:
     return sorted(found)
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()
-
-
 def _all_pids() -> list[int]:
     return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
 
@@ -100,7 +92,7 @@ def descendants(pids: Iterable[int]) -> list[int]:
     """`pids` and every process below them."""
     parents: dict[int, list[int]] = {}
     for pid in _all_pids():
-        fields = _stat_fields(pid)
+        fields = stat_fields(pid)
         if fields:
             parents.setdefault(int(fields[1]), []).append(pid)
     result: list[int] = []
