@@ -30,6 +30,7 @@ __all__ = [
     "stat_fields",
     "stop_group",
     "stop_pids",
+    "wait_for_state",
 ]
 
 
@@ -38,6 +39,18 @@ def process_state(pid: int) -> str | None:
     signal, Z zombie, ...: proc(5)); None when there is no such process."""
     fields = stat_fields(pid)
     return fields[0] if fields else None
+
+
+def wait_for_state(pid: int, state: str, timeout_s: float = 1.0) -> str | None:
+    """The state of `pid` as soon as it is `state`, else the last one seen after `timeout_s`
+    (None: no such process). A signal takes effect when its process next runs, which on a
+    busy machine can be a moment after it was sent (a second is plenty)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = process_state(pid)
+        if seen in (state, None) or time.monotonic() >= deadline:
+            return seen
+        time.sleep(0.02)
 
 
 def start_ticks(pid: int) -> int | None:

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from llmchaos.errors import StackError
 from llmchaos.ledger import Verification
-from llmchaos.processes import pid_alive, process_state
+from llmchaos.processes import pid_alive, process_state, wait_for_state
 from llmchaos.stack.topology import read_agent_state
 
 if TYPE_CHECKING:
     from llmchaos.stack.topology import Topology
 
-__all__ = ["ProcessFaults", "pid_gone", "poll"]
+__all__ = ["ProcessFaults", "pid_gone"]
 
 _GONE_WITHIN_S = 2.0
 """A SIGKILLed process is gone from /proc within this (its parent reaps it at once)."""
@@ -164,8 +164,7 @@ class ProcessFaults:
     def verify_hang_gpu_process(self, details: dict[str, Any]) -> Verification:
         """The pid in state T (stopped by a signal)."""
         pid = int(details["pid"])
-        state, _ = poll(lambda: process_state(pid) == "T" and "T", 1.0)
-        seen = state or process_state(pid) or "gone"
+        seen = wait_for_state(pid, "T") or "gone"
         return Verification(
             seen == "T", f"{details['worker']}: pid {pid} in state {seen} (T: stopped)"
         )

@@ -33,7 +33,7 @@ from typing import Any
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import Verification
-from llmchaos.processes import Owner, pid_alive, process_state
+from llmchaos.processes import Owner, pid_alive, wait_for_state
 from llmchaos.targets import Target, TargetInfo, WorkerRef
 from llmchaos.targets.cache import expire_keys, expiry_verification, key_ttls
 from llmchaos.targets.hosts import firewall
@@ -169,7 +169,8 @@ class HostsTarget(Target):
 
     def verify_hang_gpu_process(self, details: dict[str, Any]) -> Verification:
         """Each pid in state T (stopped by a signal)."""
-        states = {pid: process_state(pid) or "gone" for pid in details["pids"]}
+        # right after the SIGSTOP a busy process may not have stopped yet (seen under load)
+        states = {pid: wait_for_state(pid, "T") or "gone" for pid in details["pids"]}
         return Verification(
             all(state == "T" for state in states.values()),
             f"{details['worker']}: "
