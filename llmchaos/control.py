@@ -76,6 +76,8 @@ class _Session:
         self.before_state: dict[str, Any] | None = None
         """The steady state before the method, kept for the journal when it failed there
         (Chaos Toolkit records it only after the control has interrupted the run)."""
+        self.interrupted_by: str | None = None
+        """The signal that interrupted the run (see _raise_if_interrupted)."""
 
 
 _session: _Session | None = None
@@ -86,12 +88,23 @@ _HELD = (*signals.INTERRUPTS, signal.SIGUSR1)
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
     name = signal.Signals(signum).name
+    if _session is not None:
+        _session.interrupted_by = name
     if _session is not None and _session.run is not None:
         run = _session.run
         run.interrupted_because = f"interrupted by {name} during {run.phase}"
     # the rollbacks and the cleanup come next: a second Ctrl-C must not cut them short
     _set_signals(_hold_signals, _HELD)
     raise KeyboardInterrupt(name)
+
+
+def _raise_if_interrupted() -> None:
+    """Raise again an interrupt whose KeyboardInterrupt was lost: raised while Python ran a
+    finalizer (`__del__`), it is printed as "Exception ignored" and dropped, and the run went
+    on to pass (seen once in `starting-load` with both cores busy). Called between the steps
+    that come before Chaos Toolkit has seen an interruption, never in rollbacks or cleanup."""
+    if _session is not None and _session.interrupted_by is not None:
+        raise KeyboardInterrupt(_session.interrupted_by)
 
 
 def _hold_signals(signum: int, _frame: FrameType | None) -> None:
@@ -148,12 +161,14 @@ def before_experiment_control(
             "experiment's rollbacks (this control still undoes every fault in the ledger)"
         )
     try:
-        run.enter_phase("starting-target")
-        run.start_target()
-        run.enter_phase("starting-load")
-        run.start_load()
-        run.enter_phase("warming-up")
-        run.warm_up()
+        for phase, step in (
+            ("starting-target", run.start_target),
+            ("starting-load", run.start_load),
+            ("warming-up", run.warm_up),
+        ):
+            run.enter_phase(phase)
+            step()
+            _raise_if_interrupted()
     except Exception as exc:  # see above: the experiment must not go on without its target
         what = str(exc) if isinstance(exc, LLMChaosError) else f"{type(exc).__name__}: {exc}"
         run.interrupted_because = f"could not start the run: {what}"
@@ -162,6 +177,7 @@ def before_experiment_control(
 
 
 def before_hypothesis_control(context: dict[str, Any], **kwargs: Any) -> None:
+    _raise_if_interrupted()
     if _session is not None and _session.run is not None:
         after = _session.method_started
         _session.run.enter_phase("steady-state-after" if after else "steady-state-before")
@@ -219,6 +235,7 @@ def _judge_the_rest(
 
 
 def before_method_control(context: dict[str, Any], **kwargs: Any) -> None:
+    _raise_if_interrupted()
     if _session is not None:
         _session.method_started = True
         if _session.run is not None:

@@ -12,10 +12,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import REPO, chaos_run, interrupt_cases, repeat_count, stop_gracefully
+from llmchaos import control
 from llmchaos.load.api import find_load_processes
 from llmchaos.stack.cleanup import leftovers
 from llmchaos.stack.netns import list_namespaces
@@ -333,3 +335,31 @@ def test_the_safety_guard_undoes_and_aborts_a_run_that_keeps_failing(tmp_path: P
     assert '"by": "guard"' in ledger
     assert json.loads((tmp_path / "journal.json").read_text())["status"] == "interrupted"
     _assert_nothing_left(run_dir)
+
+
+class _SignalledWhileFinalized:
+    """Gets the control's SIGTERM handler called inside its `__del__`, as a signal arriving
+    while Python runs a finalizer (a temporary file's closer, seen in `starting-load`)."""
+
+    def __del__(self) -> None:
+        control._interrupt(signal.SIGTERM, None)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_interrupt_lost_in_a_finalizer_is_raised_again_at_the_next_step() -> None:
+    """Python prints and drops an exception raised in `__del__`: the control must not let the
+    run go on as if no signal had come."""
+    run = SimpleNamespace(phase="starting-load", interrupted_because=None)
+    run.enter_phase = lambda phase: setattr(run, "phase", phase)
+    control._session = control._Session()
+    control._session.run = run  # type: ignore[assignment]
+    try:
+        _SignalledWhileFinalized()  # collected at once: its KeyboardInterrupt is dropped
+        assert run.interrupted_because == "interrupted by SIGTERM during starting-load"
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            control.before_hypothesis_control({})
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            control.before_method_control({})
+    finally:
+        control._restore_signals()
+        control._session = None
