@@ -407,17 +407,19 @@ BACKEND_SERVICE_ACCOUNT = "llmchaos-chaos"
 """deploy/10-rbac.yaml's identity: the one the backend's tests act as."""
 NODES = {"node-gpu-0": 1, "node-gpu-1": 1, "node-cpu-0": 0}
 """Fake nodes and their GPUs (nvidia.com/gpu allocatable): one GPU pod of deploy/ fits on each
-GPU node, the CPU engine only on the CPU node (its 8 CPUs + the rest exceed nothing)."""
+GPU node; GPU nodes carry GPU feature discovery's label, which keeps the CPU engine off them."""
 
 
 def fake_node(name: str, gpus: int) -> dict[str, Any]:
     resources = {"cpu": "16", "memory": "64Gi", "pods": "110"}
+    labels = {"kubernetes.io/hostname": name}
     if gpus:
         resources["nvidia.com/gpu"] = str(gpus)
+        labels["nvidia.com/gpu.present"] = "true"
     return {
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        "metadata": {"name": name, "labels": labels},
         "status": {"allocatable": resources, "capacity": resources},
     }
 
