@@ -7,6 +7,10 @@ Vocabulary (DESIGN.md):
   are settled (answered, timed out or dropped), at least one was answered, its P99 latency is
   at most `p99_ms` and its error rate at most `error_rate`. The error rate counts the SLO's
   failure classes plus dropped sends, over answered plus dropped;
+- a window *certainly misses* the SLO when it will miss it whatever its unanswered requests
+  turn out to be: every one of them will be answered (they all count in the P99, at some
+  latency >= 0) or the window never settles. Live judging needs this to see a miss as soon as
+  it is sure, not only once the last request of a stalled window timed out;
 - detection: the end of the first window after t0 that misses the SLO;
 - recovered at t1: the service holds the SLO from t1 on, for `stable_for_s`: the first run of
   `stable_for_s` consecutive windows (one ending at each second) that all meet the SLO, and t1
@@ -131,6 +135,8 @@ class WindowVerdict:
     error_rate: float
     settled: bool
     meets_slo: bool
+    certain_miss: bool
+    """Misses the SLO whatever its unanswered requests bring (module docstring)."""
 
 
 def _dense(records: Iterable[SecondRecord]) -> list[SecondRecord]:
@@ -161,12 +167,13 @@ def rolling_windows(
         part = seconds[max(0, i - width + 1) : i + 1]
         answered = sum(r.answered for r in part)
         dropped = sum(r.dropped for r in part)
+        unanswered = sum(r.unanswered for r in part)
         failures = sum(_failures(r, slo) for r in part) + dropped
         error_rate = failures / (answered + dropped) if answered + dropped else 0.0
-        p99 = LogHistogram.merged(r.latency for r in part).quantile(0.99)
-        settled = all(r.unanswered == 0 for r in part) and (
-            now_ts is None or last.ts + 1 <= now_ts - 2.0
-        )
+        latency = LogHistogram.merged(r.latency for r in part)
+        p99 = latency.quantile(0.99)
+        reported_in_full = now_ts is None or last.ts + 1 <= now_ts - 2.0
+        settled = unanswered == 0 and reported_in_full
         meets = (
             settled
             and answered > 0
@@ -174,6 +181,16 @@ def rolling_windows(
             and p99 <= slo.p99_ms
             and error_rate <= slo.error_rate
         )
+        if settled:
+            certain_miss = not meets
+        elif reported_in_full and unanswered:
+            # the best the unanswered can do: all answered, at once and without error
+            latency.add(0.0, unanswered)
+            floor_p99 = latency.quantile(0.99) or 0.0
+            floor_error_rate = failures / (answered + dropped + unanswered)
+            certain_miss = floor_p99 > slo.p99_ms or floor_error_rate > slo.error_rate
+        else:
+            certain_miss = False
         out.append(
             WindowVerdict(
                 start_ts=part[0].ts,
@@ -183,6 +200,7 @@ def rolling_windows(
                 error_rate=round(error_rate, 5),
                 settled=settled,
                 meets_slo=meets,
+                certain_miss=certain_miss,
             )
         )
     return out
@@ -201,7 +219,10 @@ class Recovery:
     detected_at_ts: float | None
     """End of the first window after the fault that missed the SLO; None if none did."""
     judged_until_ts: float | None
-    """End of the last settled window looked at."""
+    """End of the last window judged (settled, or a certain miss)."""
+    earliest_recovery_s: float | None
+    """The soonest recovery time the records still allow (= recovery_time_s once recovered):
+    a run of good windows can only start after the last judged miss. None with no windows."""
 
 
 def recovery(
@@ -223,10 +244,11 @@ def recovery(
     run_start: int | None = None
     detected: float | None = None
     judged_until: float | None = None
+    judged = 0
     for index, window in enumerate(windows):
-        if not window.settled:
+        if not (window.settled or window.certain_miss):
             break
-        judged_until = window.end_ts
+        judged, judged_until = index + 1, window.end_ts
         if not window.meets_slo:
             run_start = None
             if detected is None:
@@ -236,10 +258,19 @@ def recovery(
             run_start = index
         if index - run_start + 1 >= needed:
             if detected is None:
-                return Recovery(fault_ts, True, 0.0, fault_ts, None, judged_until)
+                return Recovery(fault_ts, True, 0.0, fault_ts, None, judged_until, 0.0)
             t1 = max(float(windows[run_start].start_ts), fault_ts)
-            return Recovery(fault_ts, True, round(t1 - fault_ts, 3), t1, detected, judged_until)
-    return Recovery(fault_ts, False, None, None, detected, judged_until)
+            time_s = round(t1 - fault_ts, 3)
+            return Recovery(fault_ts, True, time_s, t1, detected, judged_until, time_s)
+    # the next possible run starts with the current good run, or after the last judged window
+    first = run_start if run_start is not None else judged
+    if not windows:
+        earliest = None
+    elif first < len(windows):
+        earliest = max(windows[first].start_ts - fault_ts, 0.0)
+    else:
+        earliest = max(windows[-1].start_ts + 1 - fault_ts, 0.0)
+    return Recovery(fault_ts, False, None, None, detected, judged_until, earliest)
 
 
 @dataclass(frozen=True)

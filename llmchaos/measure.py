@@ -247,14 +247,17 @@ def _records_since(run: ChaosRun, since_ts: float) -> list[SecondRecord]:
 def recovery_time_s(run: ChaosRun, timeout_s: float = 0.0) -> float:
     """Seconds from the last fault until the SLO held again for the stable period.
 
-    Waits for it, up to `timeout_s` after the fault (0: the run's recovery deadline). With no
-    fault yet, checks nothing and returns 0. Raises NotRecovered at the deadline.
+    Waits for it, up to `timeout_s` after the fault. With no fault yet, checks nothing and
+    returns 0. Raises NotRecovered at the deadline; with neither `timeout_s` nor the run's
+    `recovery_timeout_s` set, also as soon as the records rule out a recovery within the SLA
+    (a known-bad target's verdict then takes seconds after the SLA, not the whole deadline).
     """
     timeout_s = as_number("timeout_s", timeout_s)
     fault_ts = run.last_fault_ts()
     if fault_ts is None:
         return 0.0
     s = run.settings
+    until_sla_missed = not (timeout_s or s.recovery_timeout_s)
     deadline_ts = fault_ts + (timeout_s or s.recovery_deadline_s)
     # windows that start before the fault are part of the picture (the first window ends
     # with the fault's second), so read from one window earlier
@@ -273,16 +276,27 @@ def recovery_time_s(run: ChaosRun, timeout_s: float = 0.0) -> float:
         if result.recovered and result.recovery_time_s is not None:
             log.info("llmchaos: recovered %.1f s after the fault", result.recovery_time_s)
             return result.recovery_time_s
-        if now >= deadline_ts:
+        sla_missed = (
+            until_sla_missed
+            and result.earliest_recovery_s is not None
+            and result.earliest_recovery_s > s.sla_s
+        )
+        if now >= deadline_ts or sla_missed:
             detected = (
                 f"first SLO miss {result.detected_at_ts - fault_ts:.0f} s after it"
                 if result.detected_at_ts
                 else "no SLO miss seen"
             )
+            when = (
+                f"the windows missed the SLO until a recovery could start "
+                f"{result.earliest_recovery_s:.0f} s after the fault at the soonest"
+                if sla_missed
+                else f"the SLO (p99 <= {s.p99_slo_ms:g} ms, errors <= {s.error_rate_slo:.2%}) "
+                f"did not hold for {s.stable_for_s:g} s"
+            )
             raise NotRecovered(
-                f"not recovered {now - fault_ts:.0f} s after the fault ({detected}): the SLO "
-                f"(p99 <= {s.p99_slo_ms:g} ms, errors <= {s.error_rate_slo:.2%}) did not hold "
-                f"for {s.stable_for_s:g} s; SLA {s.sla_s:g} s"
+                f"not recovered {now - fault_ts:.0f} s after the fault ({detected}): {when}; "
+                f"SLA {s.sla_s:g} s"
             )
         if now - last_report >= 10:
             log.info("llmchaos: waiting for recovery (%.0f s since the fault)", now - fault_ts)

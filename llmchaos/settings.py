@@ -159,9 +159,9 @@ class RunSettings:
     """How long every window must meet the SLO before the service counts as recovered."""
     recovery_timeout_s: float = 0.0
     """How long after the fault the recovery probe waits at most. 0: until recovery within
-    the SLA can no longer be shown (sla_s + window_s + stable_for_s + the request timeout,
-    for the last requests to settle, + 5 s of reporting lag). The report still measures a
-    later recovery from the whole timeline."""
+    the SLA can no longer be shown: as soon as the windows rule it out, at most sla_s +
+    window_s + stable_for_s + the request timeout, for the last requests to settle, + 5 s of
+    reporting lag. The report still measures a later recovery from the whole timeline."""
     guard_error_rate: float = 0.5
     """Safety guard: when the error rate stays above this for `guard_for_s`, the run undoes
     every fault and aborts."""

@@ -5,6 +5,7 @@ per-tenant P99 against the exact one of the raw samples."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -105,6 +106,45 @@ def test_live_data_of_the_last_two_seconds_is_not_settled() -> None:
     records = timeline(["g"] * 10)
     windows = rolling_windows(records, SLO, 5, now_ts=T0 + 10.5)
     assert [w.settled for w in windows][-3:] == [True, False, False]
+
+
+@pytest.mark.parametrize(
+    ("answered", "expected"),
+    [
+        # 2 of 100 failed, 10 unanswered: even all ten fine, 2/100 > 1%
+        ({"ok": 88, "failed": 2, "unanswered": 10}, True),
+        # 2 answered at 5 s of 100: even the other 98 at 0 ms, the P99 is over 1 s
+        ({"ok": 2, "latency_ms": 5000.0, "unanswered": 98}, True),
+        # one failure of 100 is 1%, within the SLO if the rest are fine
+        ({"ok": 89, "failed": 1, "unanswered": 10}, False),
+        # fine so far: the unanswered may still be fine
+        ({"ok": 50, "unanswered": 50}, False),
+        # one slow answer of 200 requests: the other 199 fast would keep the P99 at them
+        ({"ok": 1, "latency_ms": 5000.0, "unanswered": 199}, False),
+    ],
+)
+def test_a_window_misses_for_certain_before_it_settles(
+    answered: dict[str, Any], expected: bool
+) -> None:
+    records = [*timeline(["g"] * 5), second(T0 + 5, **answered)]
+    window = rolling_windows(records, SLO, 1, now_ts=T0 + 9)[-1]
+    assert not window.settled and window.certain_miss is expected
+    # a second that other workers may still add to is never judged
+    late = rolling_windows(records, SLO, 1, now_ts=T0 + 7)[-1]
+    assert not late.certain_miss
+
+
+def test_a_certain_miss_is_judged_and_moves_the_earliest_recovery() -> None:
+    outage = timeline(["g"] * 10 + ["e"] * 8)
+    sure = [second(T0 + 18 + i, ok=40, failed=10, unanswered=20) for i in range(4)]
+    result = recovery(outage + sure, T0 + 10.0, SLO, window_s=1, stable_for_s=10, now_ts=T0 + 30)
+    assert not result.recovered and result.judged_until_ts == T0 + 22
+    # seconds 10..21 all missed: a good run starts with second 22 at the soonest
+    assert result.earliest_recovery_s == 12.0
+    # the same seconds with no failure yet are not judged: second 18 may start a good run
+    unsure = [second(T0 + 18 + i, unanswered=20) for i in range(4)]
+    early = recovery(outage + unsure, T0 + 10.0, SLO, window_s=1, stable_for_s=10, now_ts=T0 + 30)
+    assert early.judged_until_ts == T0 + 18 and early.earliest_recovery_s == 8.0
 
 
 def test_a_window_with_nothing_answered_misses_the_slo() -> None:
@@ -232,3 +272,62 @@ def test_per_tenant_p99_agrees_with_the_exact_nearest_rank(
         exact = values[max(1, math.ceil(0.99 * len(values))) - 1]
         assert measured[tenant]["requests"] == len(values)
         assert measured[tenant]["p99_ms"] == pytest.approx(exact, rel=RELATIVE_ERROR, abs=0.01)
+
+
+request = st.tuples(  # a group of alike requests: outcome, latency, how many
+    st.sampled_from(["ok"] * 9 + ["5xx"]),
+    st.sampled_from([100.0] * 9 + [5000.0]),
+    st.integers(1, 80),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    final=st.lists(st.lists(request, min_size=1, max_size=6), min_size=2, max_size=40),
+    seen_s=st.integers(1, 40),
+    unanswered_share=st.lists(st.floats(0, 1), min_size=40, max_size=40),
+    window_s=st.integers(1, 6),
+    stable_for_s=st.integers(1, 10),
+)
+def test_a_live_view_never_rules_out_the_recovery_that_comes(
+    final: list[list[tuple[str, float, int]]],
+    seen_s: int,
+    unanswered_share: list[float],
+    window_s: int,
+    stable_for_s: int,
+) -> None:
+    """The probe stops waiting once `earliest_recovery_s` passes the SLA: that must be a lower
+    bound of the recovery time the finished timeline gives, whatever the requests still
+    unanswered at the live read turn out to be, and a live recovery must be the final one."""
+    slo = Slo(p99_ms=1000.0, error_rate=0.05)
+
+    def record(ts: int, groups: list[tuple[str, float, int]], answered: int) -> SecondRecord:
+        """Second `ts` with its first `answered` groups answered, the rest in flight."""
+        hist = LogHistogram()
+        for _, latency_ms, n in groups[:answered]:
+            hist.add(latency_ms, n)
+        ok = sum(n for outcome, _, n in groups[:answered] if outcome == "ok")
+        failed = sum(n for outcome, _, n in groups[:answered] if outcome != "ok")
+        return SecondRecord(
+            ts=ts,
+            scheduled=sum(n for _, _, n in groups),
+            ok=ok,
+            failed={"5xx": failed} if failed else {},
+            unanswered=sum(n for _, _, n in groups[answered:]),
+            latency=hist,
+        )
+
+    done = [record(T0 + i, r, len(r)) for i, r in enumerate(final)]
+    live = [
+        record(T0 + i, r, len(r) - math.floor(unanswered_share[i] * len(r)))
+        for i, r in enumerate(final[:seen_s])
+    ]
+    fault_ts = T0 + 1.5
+    args = {"window_s": window_s, "stable_for_s": stable_for_s}
+    now = recovery(live, fault_ts, slo, now_ts=T0 + min(seen_s, len(final)) + 2, **args)
+    later = recovery(done, fault_ts, slo, **args)
+    if later.recovered and now.earliest_recovery_s is not None:  # None: no window yet
+        assert later.recovery_time_s is not None
+        assert now.earliest_recovery_s <= later.recovery_time_s
+    if now.recovered:
+        assert later.recovered and later.recovery_time_s == now.recovery_time_s
