@@ -50,6 +50,9 @@ async def _held(fakes: list[FakeUpstream], total: int) -> None:
 
 
 async def _healthy(gw: GatewayClient, gpu: int, cpu: int = 0) -> None:
+    """Wait for the workers' health: a gateway starts with a check of each, but on a busy
+    machine that first check can time out (0.5 s), and requests sent then get 503."""
+
     async def reached() -> bool:
         return await gw.healthy() == {"gpu": gpu, "cpu": cpu}
 
@@ -62,6 +65,7 @@ async def test_idle_workers_take_turns(
 ) -> None:
     a, b = await upstreams("gpu-0"), await upstreams("gpu-1")
     async with running_gateway(_settings(redis_server, token_db, [a, b])) as gw:
+        await _healthy(gw, gpu=2)
         for _ in range(10):
             assert (await gw.chat())[0] == 200
     assert (len(a.received), len(b.received)) == (5, 5)
@@ -74,6 +78,7 @@ async def test_concurrent_requests_go_to_the_least_outstanding_worker(
     a, b = await upstreams("gpu-0"), await upstreams("gpu-1")
     a.hold = b.hold = asyncio.Event()
     async with running_gateway(_settings(redis_server, token_db, [a, b])) as gw:
+        await _healthy(gw, gpu=2)
         replies = [asyncio.ensure_future(gw.chat()) for _ in range(3)]
         await _held([a, b], 3)
         busier, idler = (a, b) if a.in_flight > b.in_flight else (b, a)
@@ -286,6 +291,7 @@ async def test_full_gpu_workers_spill_to_cpu_only_with_fallback(
         worker_queue_allowance_ratio=0.0,  # capacity = max_num_seqs = 2
     )
     async with running_gateway(settings) as gw:
+        await _healthy(gw, gpu=1, cpu=1)
         replies = [asyncio.ensure_future(gw.chat()) for _ in range(5)]
         await _held([gpu, cpu], 5)
         assert (gpu.in_flight, cpu.in_flight) == (on_gpu, on_cpu)
@@ -302,6 +308,7 @@ async def test_queue_over_threshold_is_shed_with_429_and_retry_after(
     gpu.hold = asyncio.Event()
     settings = _settings(redis_server, token_db, [gpu], queue_shed_threshold=2)
     async with running_gateway(settings) as gw:
+        await _healthy(gw, gpu=1)
         held = [asyncio.ensure_future(gw.chat()) for _ in range(4)]
         await _held([gpu], 4)
         async with gw.session.get("/healthz") as resp:
