@@ -167,20 +167,24 @@ class LoadRun:
         (run_dir / LIVE_FILE).unlink(missing_ok=True)
         # The marker lets a cleanup find this load again after its owner died.
         env = {**os.environ, LOAD_ENV: str(run_dir.resolve())}
-        with (run_dir / "locust.log").open("wb") as log, deferred():
-            process = subprocess.Popen(
-                locust_command(config),
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        process: subprocess.Popen[bytes] | None = None
         try:
+            with (run_dir / "locust.log").open("wb") as log, deferred():
+                process = subprocess.Popen(
+                    locust_command(config),
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             live_url = _wait_live(process, run_dir, ready_timeout_s)
-        except BaseException:  # an interrupt included: nobody else would stop it
-            with held("stopping the load process"):
-                _terminate(process)
+        except BaseException:
+            # an interrupt included, also one held during Popen and raised as the `with`
+            # ends: the caller never gets the process, so nobody else would stop it
+            if process is not None:
+                with held("stopping the load process"):
+                    _terminate(process)
             raise
         return cls(config, process, live_url)
 

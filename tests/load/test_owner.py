@@ -157,3 +157,37 @@ def test_llmchaos_load_stops_cleanly_on_a_signal(fake_server, tmp_path, sig, bus
     summary = json.loads(out)
     assert summary["scheduled"] > 0 and summary["accounting_closed"], summary
     assert not [p for p, d in find_load_processes().items() if d == str(run_dir.resolve())]
+
+
+def test_a_signal_held_while_the_load_process_starts_stops_that_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM during Popen is held (signals.deferred) and raised as the step ends: the load
+    process exists by then, the caller never gets it, so LoadRun.start must stop it (seen with
+    both cores busy: a run interrupted in starting-load left its load for the owner watchdog)."""
+    real_popen = subprocess.Popen
+
+    def popen_then_sigterm(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        process = real_popen(*args, **kwargs)  # type: ignore[call-overload]
+        signal.raise_signal(signal.SIGTERM)
+        return process
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    run_dir = (tmp_path / "load").resolve()
+    config = LoadConfig(
+        url="http://127.0.0.1:9", qps=1, duration_s=5.0, run_dir=str(run_dir), check_target=False
+    )
+    monkeypatch.setattr("llmchaos.load.api.subprocess.Popen", popen_then_sigterm)
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            LoadRun.start(config)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    left = [pid for pid, d in find_load_processes().items() if d == str(run_dir)]
+    for pid in left:  # a failing test does not leave them either (own session: pgid = pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    assert not left
