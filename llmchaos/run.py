@@ -418,18 +418,27 @@ class ChaosRun:
 
     # -- ending --------------------------------------------------------------------------
     def stop_load(self) -> Summary | None:
-        """Stop the load and return its summary (None when it never started or broke)."""
-        if self.load is None:
-            return None
-        try:
-            return self.load.stop()
-        except LLMChaosError as exc:
-            self.notes.append(f"load did not stop cleanly: {exc}")
-            self.load.close()
+        """Stop the load and return its summary (None when it never started or broke). Load
+        processes of this run that no handle reaches (a start that failed half-way) are
+        stopped too, found by their marker: the owner watchdog would, but only seconds after
+        the run has ended."""
+        summary: Summary | None = None
+        if self.load is not None:
             try:
-                return Summary.read(self.load.summary_path)
-            except LLMChaosError:
-                return None
+                summary = self.load.stop()
+            except LLMChaosError as exc:
+                self.notes.append(f"load did not stop cleanly: {exc}")
+                self.load.close()
+                with contextlib.suppress(LLMChaosError):
+                    summary = Summary.read(self.load.summary_path)
+        run_dir = self.run_dir.resolve()
+        strays = [
+            p for p, where in find_load_processes().items() if Path(where).is_relative_to(run_dir)
+        ]
+        if strays:
+            self.notes.append(f"load processes {' '.join(map(str, strays))} had no handle: stopped")
+            stop_pids(strays, grace_s=3.0)
+        return summary
 
     def stop_target(self) -> None:
         """Close the target: the embedded stack is stopped, a cluster is left as it is (its

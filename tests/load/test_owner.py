@@ -18,9 +18,13 @@ import pytest
 from conftest import signal_and_wait
 from llmchaos import processes
 from llmchaos.errors import InvalidInput
+from llmchaos.ledger import FaultLedger
 from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.api import check_config, find_load_processes
+from llmchaos.load.procs import LOAD_ENV
 from llmchaos.processes import Owner, group_members, start_ticks, stop_group
+from llmchaos.run import ChaosRun
+from llmchaos.settings import RunSettings
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
@@ -191,3 +195,30 @@ def test_a_signal_held_while_the_load_process_starts_stops_that_process(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
     assert not left
+
+
+def test_a_run_stops_load_processes_of_its_folder_that_no_handle_reaches(tmp_path: Path) -> None:
+    """A load process marked with the run's load folder, whose handle the run never got (a
+    start that failed half-way), is stopped when the run stops its load, not left to the
+    owner watchdog."""
+    run_dir = (tmp_path / "run").resolve()
+    run_dir.mkdir()
+    run = ChaosRun(RunSettings(), "x", "X", run_dir, FaultLedger(run_dir / "ledger.jsonl"))
+    env = {**os.environ, LOAD_ENV: str(run_dir / "load")}
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, LOAD_ENV: str(tmp_path / "other-run" / "load")},
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while stray.pid not in find_load_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run.stop_load() is None
+        assert stray.wait(timeout=10) is not None
+        assert other.poll() is None  # another run's load is not this run's to stop
+        assert any(str(stray.pid) in note for note in run.notes), run.notes
+    finally:
+        for process in (stray, other):
+            process.kill()
+            process.wait()
