@@ -102,7 +102,8 @@ def _raise_if_interrupted() -> None:
     """Raise again an interrupt whose KeyboardInterrupt was lost: raised while Python ran a
     finalizer (`__del__`), it is printed as "Exception ignored" and dropped, and the run went
     on to pass (seen once in `starting-load` with both cores busy). Called between the steps
-    that come before Chaos Toolkit has seen an interruption, never in rollbacks or cleanup."""
+    that come before Chaos Toolkit has seen an interruption, never in rollbacks or cleanup;
+    one lost after the method marks the journal interrupted in `_finish`."""
     if _session is not None and _session.interrupted_by is not None:
         raise KeyboardInterrupt(_session.interrupted_by)
 
@@ -276,6 +277,10 @@ def _finish(journal: dict[str, Any] | None) -> None:
             states["before"] = session.before_state  # chaos writes the journal after us
         if journal is not None:
             journal.update(redact(journal))  # and its journal file without secrets
+            if session.interrupted_by is not None and journal.get("status") == "completed":
+                # its KeyboardInterrupt was lost after the method (steady-state-after,
+                # rollbacks: nothing raises it again there); the run still ends interrupted
+                journal["status"] = "interrupted"
         if run is not None and not run.finished:
             _finish_run(run, journal)
     finally:

@@ -363,3 +363,26 @@ def test_an_interrupt_lost_in_a_finalizer_is_raised_again_at_the_next_step() -> 
     finally:
         control._restore_signals()
         control._session = None
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("phase", ["steady-state-after", "rollbacks"])
+def test_an_interrupt_lost_after_the_method_still_ends_the_run_interrupted(phase: str) -> None:
+    """Lost in a finalizer where nothing raises it again (the rest of steady-state-after and
+    the rollbacks run on), the signal still makes the journal `interrupted` (exit 1), not a
+    pass; a run without a signal stays `completed`."""
+    for signalled in (True, False):
+        control._session = control._Session()
+        journal: dict[str, object] = {"status": "completed"}
+        try:
+            if signalled:
+                run = SimpleNamespace(phase=phase, interrupted_because=None)
+                control._session.run = run  # type: ignore[assignment]
+                _SignalledWhileFinalized()
+                assert run.interrupted_because == f"interrupted by SIGTERM during {phase}"
+                control._session.run = None
+            control._finish(journal)
+        finally:
+            control._restore_signals()
+            control._session = None
+        assert journal["status"] == ("interrupted" if signalled else "completed")
