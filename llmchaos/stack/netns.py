@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -91,8 +92,8 @@ def check_netns_support() -> str | None:
     return None
 
 
-def pick_subnet() -> ipaddress.IPv4Network:
-    """A 10.203.K.0/24 that no host address or route overlaps."""
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    """The host's IPv4 addresses and routes, as networks."""
     used: list[ipaddress.IPv4Network] = []
     for argv in (["ip", "-4", "-o", "addr", "show"], ["ip", "-4", "route", "show", "table", "all"]):
         for token in _run(argv, check=False).stdout.split():
@@ -100,13 +101,51 @@ def pick_subnet() -> ipaddress.IPv4Network:
                 net = ipaddress.ip_network(token, strict=False)
             except ValueError:
                 continue
-            if isinstance(net, ipaddress.IPv4Network):
+            if isinstance(net, ipaddress.IPv4Network) and net.prefixlen > 0:
                 used.append(net)
+    return used
+
+
+_claims: dict[ipaddress.IPv4Network, socket.socket] = {}
+"""Subnets this process picked and has not put an address of on the host yet."""
+
+
+def _claim(subnet: ipaddress.IPv4Network) -> bool:
+    """Claim `subnet` until its first host address exists: an abstract Unix socket named after
+    it (no file; the kernel frees the name when the process ends). Two stacks starting at once
+    both saw the same free /24 before either had an address in it, and the second one's
+    namespaces then failed or took the first one's addresses."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"\0llmchaos-subnet-{subnet.network_address}")
+    except OSError:  # another process holds it
+        sock.close()
+        return False
+    _claims[subnet] = sock
+    return True
+
+
+def _release(subnet: ipaddress.IPv4Network) -> None:
+    sock = _claims.pop(subnet, None)
+    if sock is not None:
+        sock.close()
+
+
+def pick_subnet() -> ipaddress.IPv4Network:
+    """A 10.203.K.0/24 that no host address or route overlaps and no other starting stack has
+    claimed; it stays claimed until the first network is created in it."""
+    used = _used_networks()
     for candidate in _SUBNET_BASE.subnets(new_prefix=24):
         if candidate.network_address.packed[2] == 0:
             continue
-        if not any(candidate.overlaps(net) for net in used if net.prefixlen > 0):
-            return candidate
+        if any(candidate.overlaps(net) for net in used) or not _claim(candidate):
+            continue
+        # read again: a stack that created its first address and let its claim go between
+        # our read and our claim is using it
+        if any(candidate.overlaps(net) for net in _used_networks()):
+            _release(candidate)
+            continue
+        return candidate
     raise StackError("no free 10.203.K.0/24 subnet for node namespaces (stale stacks? run cleanup)")
 
 
@@ -144,6 +183,8 @@ def create_node_network(
     except StackError:
         delete_node_network(net)
         raise
+    finally:
+        _release(subnet)  # its addresses now show (or it failed): the claim has done its job
     return net
 
 
@@ -239,6 +280,8 @@ def create_registry_network(
     except StackError:
         delete_registry_network(net, short_id)
         raise
+    finally:
+        _release(subnet)
     return net
 
 
