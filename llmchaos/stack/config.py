@@ -59,6 +59,8 @@ class Variant:
     """Whether gateways eject a worker whose requests fail (5xx, broken streams, timeouts)."""
     round_robin: bool = False
     """Whether gateways spread requests in turn instead of to the least outstanding worker."""
+    hedging: bool = True
+    """Whether gateways hedge a request its worker sits on (`hedge_after_s`)."""
     gpu_kv_cache_tokens: int | None = None
     """KV-cache budget of the GPU workers; None: the GPU profile's."""
 
@@ -76,6 +78,7 @@ class Variant:
             health_timeout_s=base.health_timeout_s if self.health_check_timeout else 0.0,
             passive_ejection=self.passive_ejection,
             round_robin=self.round_robin,
+            hedge_after_s=base.hedge_after_s if self.hedging else 0.0,
         )
 
     def gpu_profile(self, base: EngineProfile) -> EngineProfile:
@@ -146,8 +149,9 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "round-robin",
             "gateways spread requests in turn over the healthy workers instead of to the one "
-            "with the fewest outstanding: a slow GPU keeps half of the traffic",
+            "with the fewest outstanding, and never hedge: a slow GPU keeps half of the traffic",
             round_robin=True,
+            hedging=False,
         ),
         Variant(
             "small-kv-cache",

@@ -274,6 +274,16 @@ class GatewaySettings:
     """Upstream timeout until response headers; below the clients' 8 s."""
     max_retries: int = 1
     """Retries on another worker when nothing was sent to the client yet."""
+    hedge_after_s: float = 1.5
+    """A request whose worker has sent nothing back after this long (a plain answer, or a
+    stream's first chunk) is sent to a second worker too; the first answer goes to the client
+    and the other attempt is cancelled (hedged requests, "The Tail at Scale", Dean & Barroso
+    2013; Envoy's and gRPC's hedging policies). It bounds what a slow worker (a degraded link,
+    a throttled CPU: gray failures its health checks pass) costs the tail. Above the P99 of a
+    healthy worker's first answer under load (0.5-1 s here). 0: off. Only with `failover`."""
+    hedge_budget_ratio: float = 0.1
+    """At most this share of the requests is hedged (a token bucket refilled by each request,
+    as gRPC's retry throttling), so a pool that is slow everywhere is not sent twice the load."""
     stream_idle_timeout_s: float = 10.0
     """Longest silence from a worker once its response has started; above the clients' 8 s so
     a slow stream is the client's call, but a worker that stalls mid-body is not held forever."""

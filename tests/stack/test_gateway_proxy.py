@@ -17,6 +17,7 @@ from tests.stack.gateway_fixtures import (
     MODEL,
     SSE_WORDS,
     FakeUpstream,
+    GatewayClient,
     RedisServer,
     gateway_settings,
     running_gateway,
@@ -198,3 +199,92 @@ async def test_client_disconnect_cancels_the_upstream_request(
         await wait_for(upstream_cancelled, 3.0, "the fake upstream to see the cancellation")
         assert gw.gateway.pool.workers[0].outstanding == 0
         assert await gw.metric("llmchaos_gateway_client_disconnects_total") == 1
+
+
+HEDGED = "llmchaos_gateway_hedged_requests_total"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.asyncio
+async def test_a_request_its_worker_sits_on_is_hedged_to_another(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams, stream: bool
+) -> None:
+    """A worker that sends nothing back (a slow GPU, a degraded link: its health checks pass)
+    costs the client hedge_after_s, not first_byte_timeout_s: a twin goes to another worker,
+    its answer is returned, the slow attempt is cancelled and its worker ejected."""
+    slow, fast = await upstreams("gpu-0"), await upstreams("gpu-1")
+    slow.hold = asyncio.Event()
+    settings = gateway_settings(
+        redis_server,
+        token_db,
+        [slow.upstream(), fast.upstream()],
+        hedge_after_s=0.3,
+        first_byte_timeout_s=5.0,
+    )
+    async with running_gateway(settings) as gw:
+        await wait_for(_both_healthy(gw), 3.0, "both workers healthy")
+        took_s = []
+        for _ in range(2):  # idle workers take turns: one of the two lands on the slow one
+            started = time.monotonic()
+            async with gw.session.post(
+                "/v1/chat/completions",
+                json={**CHAT_BODY, "stream": stream},
+                headers={"Authorization": "Bearer tok-alice"},
+            ) as resp:
+                assert (resp.status, resp.headers["X-Worker"]) == (200, "gpu-1")
+                text = await resp.text()
+            took_s.append(time.monotonic() - started)
+            assert ("[DONE]" in text) == stream
+        assert await gw.metric(HEDGED, winner="hedge") == 1
+        assert await gw.metric(HEDGED, winner="first") == 0
+        # outrun by a peer that answered within hedge_after_s: a gray failure, ejected
+        assert await gw.healthy() == {"gpu": 1, "cpu": 0}
+
+        async def slow_attempt_cancelled() -> bool:
+            return slow.cancelled == 1 and slow.in_flight == 0
+
+        await wait_for(slow_attempt_cancelled, 3.0, "the slow attempt to be cancelled")
+        assert [w.outstanding for w in gw.gateway.pool.workers] == [0, 0]
+        slow.hold.set()
+    assert len(slow.received) == 1 and len(fast.received) == 2
+    assert 0.3 <= max(took_s) < 2.0, took_s
+
+
+@pytest.mark.parametrize("failover", [True, False])
+@pytest.mark.asyncio
+async def test_hedges_stay_within_their_budget_and_need_failover(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams, failover: bool
+) -> None:
+    """With every worker slow, hedging would double the load: beyond the bucket's burst only
+    hedge_budget_ratio of the requests are hedged (none here). Without failover (a Service
+    without readiness) nothing is hedged at all."""
+    a, b = await upstreams("gpu-0"), await upstreams("gpu-1")
+    a.hold = b.hold = asyncio.Event()
+    settings = gateway_settings(
+        redis_server,
+        token_db,
+        [a.upstream(), b.upstream()],
+        hedge_after_s=0.1,
+        hedge_budget_ratio=0.0,
+        first_byte_timeout_s=5.0,
+        failover=failover,
+    )
+    async with running_gateway(settings) as gw:
+        await wait_for(_both_healthy(gw), 3.0, "both workers healthy")
+        replies = [asyncio.ensure_future(gw.chat()) for _ in range(14)]
+        await asyncio.sleep(0.6)
+        sent = len(a.received) + len(b.received)
+        a.hold.set()
+        assert [r[0] for r in await asyncio.gather(*replies)] == [200] * 14
+        hedged = await gw.metric(HEDGED, winner="hedge") + await gw.metric(HEDGED, winner="first")
+        # every twin was as slow as its first attempt: an overloaded pool, nobody ejected
+        assert await gw.healthy() == {"gpu": 2, "cpu": 0}
+    assert sent == (14 + 10 if failover else 14)  # the bucket's burst of 10, then none
+    assert hedged == (10 if failover else 0)
+
+
+def _both_healthy(gw: GatewayClient) -> Callable[[], Awaitable[bool]]:
+    async def healthy() -> bool:
+        return await gw.healthy() == {"gpu": 2, "cpu": 0}
+
+    return healthy

@@ -117,6 +117,13 @@ class GatewayMetrics:
             ["reason"],
             registry=reg,
         )
+        self.hedged_requests = Counter(
+            "llmchaos_gateway_hedged_requests",
+            "Requests also sent to a second worker after hedge_after_s without an answer, by "
+            "which attempt answered first (first, hedge)",
+            ["winner"],
+            registry=reg,
+        )
         self.upstream_failures = Counter(
             "llmchaos_gateway_upstream_failures",
             "Failed upstream attempts, by worker and failure",

@@ -1,11 +1,15 @@
-"""Forwarding one chat completion to a worker, with retry, plain or streamed.
+"""Forwarding one chat completion to a worker, with retry and hedging, plain or streamed.
 
-The request body goes upstream as the bytes the client sent. A failure before anything was
-sent to the client (connect error or timeout, no headers within `first_byte_timeout_s`, a
-5xx, a plain body cut short) ejects the worker and is retried on another one, up to
-`max_retries` times; without `failover` it is not retried and goes to the client as it is.
-Once a stream has started, a worker failure cuts the client's stream (the client sees a
-truncated response, as behind any real proxy) and is counted.
+The request body goes upstream as the bytes the client sent. An attempt first *fetches*: the
+whole answer of a plain request, the headers and first chunk of a stream; nothing reaches the
+client before one attempt has fetched. A failure until then (connect error or timeout, no
+headers within `first_byte_timeout_s`, a 5xx, a body cut short) ejects the worker and is
+retried on another one, up to `max_retries` times; without `failover` it is not retried and
+goes to the client as it is. An attempt that has fetched nothing after `hedge_after_s` gets a
+twin on another worker (within `hedge_budget_ratio` of the requests): the first to fetch
+answers the client, the other is cancelled. Once a stream has started, a worker failure cuts
+the client's stream (the client sees a truncated response, as behind any real proxy) and is
+counted.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +32,18 @@ __all__ = ["Proxy"]
 log = logging.getLogger(__name__)
 
 _PASSED_HEADERS = ("traceparent", "tracestate", "x-request-id")
+
+
+@dataclass
+class _Fetched:
+    """What an attempt got before anything went to the client."""
+
+    worker: Worker
+    upstream: aiohttp.ClientResponse
+    headers: dict[str, str]
+    body: bytes
+    """The whole answer (plain, or a stream that is not 200), else the stream's first chunk."""
+    streaming: bool
 
 
 class _AttemptFailed(Exception):
@@ -51,6 +68,10 @@ def _failure_reason(exc: BaseException) -> str:
     return "disconnect"
 
 
+_HEDGE_BURST = 10.0
+"""Hedges that may go out back to back (the token bucket's size)."""
+
+
 class Proxy:
     """Sends requests to the workers chosen by the pool, over one shared session."""
 
@@ -64,8 +85,11 @@ class Proxy:
         self._pool = pool
         self._metrics = metrics
         self._session = session
-        # no failover, no retry: the client gets the first worker's failure
+        # no failover, no retry, no hedge: the client gets the first worker's answer
         self._max_retries = max(0, settings.max_retries) if settings.failover else 0
+        self._hedge_after_s = max(0.0, settings.hedge_after_s) if settings.failover else 0.0
+        self._hedge_budget_ratio = max(0.0, settings.hedge_budget_ratio)
+        self._hedge_tokens = _HEDGE_BURST
         self._first_byte_timeout_s = settings.first_byte_timeout_s
         self._gateway_name = settings.name
         self._timeout = aiohttp.ClientTimeout(
@@ -90,28 +114,69 @@ class Proxy:
             # is dropped: tracing is the client's option, not a reason to fail its request
             if value is not None and value.isascii() and value.isprintable():
                 headers[name] = value
+        self._hedge_tokens = min(_HEDGE_BURST, self._hedge_tokens + self._hedge_budget_ratio)
         tried: list[Worker] = []
+        running: dict[asyncio.Task[_Fetched], tuple[Worker, float]] = {}
         failure: _AttemptFailed | None = None
-        for _attempt in range(self._max_retries + 1):
+        retries_left = self._max_retries
+        hedge_due = self._hedge_after_s > 0
+        hedge: Worker | None = None
+
+        def launch() -> bool:
             worker = self._pool.select(tried)
             if worker is None:
-                break
-            if failure is not None:
-                self._metrics.upstream_retries.labels(reason=failure.reason).inc()
+                return False
             tried.append(worker)
             worker.outstanding += 1
-            sent_at = time.monotonic()
-            try:
-                response = await self._attempt(request, worker, path, body, headers, stream)
-            except _AttemptFailed as exc:
-                answered = exc.response is not None
-                self._pool.eject(worker, exc.reason, answered=answered, sent_at=sent_at)
-                self._metrics.upstream_failures.labels(worker=worker.name, reason=exc.reason).inc()
-                failure = exc
-                continue
-            finally:
-                worker.outstanding -= 1
-            return response, worker.mode
+            task = asyncio.ensure_future(self._fetch(worker, path, body, headers, stream))
+            running[task] = (worker, time.monotonic())
+            return True
+
+        try:
+            launch()
+            while running:
+                done, _ = await asyncio.wait(
+                    running,
+                    timeout=self._hedge_after_s if hedge_due else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not done:  # nothing fetched within hedge_after_s: a twin elsewhere
+                    hedge_due = False
+                    if self._hedge_tokens >= 1.0 and launch():
+                        self._hedge_tokens -= 1.0
+                        hedge = tried[-1]
+                    continue
+                for task in done:
+                    worker, sent_at = running.pop(task)
+                    exc = task.exception()
+                    if exc is not None:
+                        worker.outstanding -= 1
+                        if not isinstance(exc, _AttemptFailed):
+                            raise exc
+                        answered = exc.response is not None
+                        self._pool.eject(worker, exc.reason, answered=answered, sent_at=sent_at)
+                        self._metrics.upstream_failures.labels(
+                            worker=worker.name, reason=exc.reason
+                        ).inc()
+                        failure = exc
+                        continue
+                    fetched = task.result()
+                    if hedge is not None:
+                        winner = "hedge" if worker is hedge else "first"
+                        self._metrics.hedged_requests.labels(winner=winner).inc()
+                        if worker is hedge:
+                            self._eject_outrun(running, time.monotonic() - sent_at)
+                    await self._cancel(running)  # the loser, or one that fetched as well
+                    try:
+                        return await self._deliver(request, fetched), worker.mode
+                    finally:
+                        worker.outstanding -= 1
+                if not running and failure is not None and retries_left > 0:
+                    retries_left -= 1
+                    if launch():
+                        self._metrics.upstream_retries.labels(reason=failure.reason).inc()
+        finally:
+            await self._cancel(running)
         if failure is None:
             raise ApiError(
                 503,
@@ -129,15 +194,39 @@ class Proxy:
             code="upstream_timeout" if timed_out else "upstream_unavailable",
         )
 
-    async def _attempt(
-        self,
-        request: web.Request,
-        worker: Worker,
-        path: str,
-        body: bytes,
-        headers: dict[str, str],
-        stream: bool,
-    ) -> web.StreamResponse:
+    def _eject_outrun(
+        self, running: dict[asyncio.Task[_Fetched], tuple[Worker, float]], twin_s: float
+    ) -> None:
+        """The hedge answered first: its loser sat on the request for hedge_after_s and more.
+        When the twin took less than hedge_after_s, the loser is an outlier among its peers
+        (a slow link, a throttled CPU) and is ejected as a gray failure: its health checks
+        pass, so it stays out for its ejection time. When the twin was slow too, the whole
+        pool is (an overload): nobody is ejected, which would only shrink it."""
+        if twin_s >= self._hedge_after_s:
+            return
+        for loser, sent_at in running.values():
+            reason = f"hedge_timeout (a peer answered in {twin_s:.2f} s)"
+            self._pool.eject(loser, reason, answered=True, sent_at=sent_at)
+            self._metrics.upstream_failures.labels(worker=loser.name, reason="hedge_timeout").inc()
+
+    @staticmethod
+    async def _cancel(running: dict[asyncio.Task[_Fetched], tuple[Worker, float]]) -> None:
+        """Cancel the attempts still running (a hedge's loser, or all when the client went
+        away) and give back their connections and their workers' outstanding count."""
+        tasks = list(running)
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for task, result in zip(tasks, results, strict=True):
+            worker, _ = running.pop(task)
+            worker.outstanding -= 1
+            if isinstance(result, _Fetched):
+                result.upstream.release()
+
+    async def _fetch(
+        self, worker: Worker, path: str, body: bytes, headers: dict[str, str], stream: bool
+    ) -> _Fetched:
+        """One attempt up to the point where the client would first be sent something."""
         try:
             async with asyncio.timeout(self._first_byte_timeout_s):
                 upstream = await self._session.post(
@@ -151,32 +240,45 @@ class Proxy:
                 "X-Serving-Mode": worker.mode,
                 "X-Worker": upstream.headers.get("X-Worker", worker.name),
             }
-            if not stream or upstream.status != 200:
-                try:
-                    payload = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise _AttemptFailed(_failure_reason(exc)) from None
+            streaming = stream and upstream.status == 200
+            try:
+                payload = await (upstream.content.readany() if streaming else upstream.read())
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise _AttemptFailed(_failure_reason(exc)) from None
+            if upstream.status >= 500:
                 response = web.Response(body=payload, status=upstream.status, headers=reply_headers)
-                if upstream.status >= 500:
-                    raise _AttemptFailed(f"http_{upstream.status}", response)
-                return response
-            return await self._relay_stream(request, worker, upstream, reply_headers)
+                raise _AttemptFailed(f"http_{upstream.status}", response)
+        except BaseException:
+            upstream.release()  # cancelled (a hedge lost) or failed: close, do not pool
+            raise
+        if not streaming:
+            upstream.release()
+        return _Fetched(worker, upstream, reply_headers, payload, streaming)
+
+    async def _deliver(self, request: web.Request, fetched: _Fetched) -> web.StreamResponse:
+        if not fetched.streaming:
+            return web.Response(
+                body=fetched.body, status=fetched.upstream.status, headers=fetched.headers
+            )
+        try:
+            return await self._relay_stream(request, fetched)
         finally:
             # closes the connection instead of pooling it if the body was not read to the end
-            upstream.release()
+            fetched.upstream.release()
 
-    async def _relay_stream(
-        self,
-        request: web.Request,
-        worker: Worker,
-        upstream: aiohttp.ClientResponse,
-        reply_headers: dict[str, str],
-    ) -> web.StreamResponse:
-        reply_headers["Cache-Control"] = "no-cache"
-        response = web.StreamResponse(status=upstream.status, headers=reply_headers)
+    async def _relay_stream(self, request: web.Request, fetched: _Fetched) -> web.StreamResponse:
+        worker, upstream = fetched.worker, fetched.upstream
+        fetched.headers["Cache-Control"] = "no-cache"
+        response = web.StreamResponse(status=upstream.status, headers=fetched.headers)
         await response.prepare(request)
         content = upstream.content
-        while True:
+        chunk = fetched.body
+        while chunk:
+            try:
+                await response.write(chunk)
+            except ConnectionError:
+                self._metrics.client_disconnects.inc()
+                return response
             try:
                 chunk = await content.readany()
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -187,13 +289,6 @@ class Proxy:
                 if request.transport is not None:
                     # no final chunk: the client must see a broken stream, not a short one
                     request.transport.close()
-                return response
-            if not chunk:
-                break
-            try:
-                await response.write(chunk)
-            except ConnectionError:
-                self._metrics.client_disconnects.inc()
                 return response
         await response.write_eof()
         return response
