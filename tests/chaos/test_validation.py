@@ -25,7 +25,7 @@ from llmchaos.settings import RunSettings
 from llmchaos.validation import validate_experiment_file
 
 EXPERIMENTS = sorted((REPO / "experiments").glob("*.json")) + sorted(
-    p for folder in ("soak", "findings") for p in (REPO / "experiments" / folder).glob("*.json")
+    (REPO / "experiments" / "soak").glob("*.json")
 )
 GPU_KILL = REPO / "experiments" / "gpu_kill.json"
 

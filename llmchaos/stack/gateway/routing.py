@@ -17,7 +17,9 @@ Rules (also in the gateway's README section):
   forgotten once the worker stays clean as long as its last ejection lasted. A request that
   timed out while an active check of the same worker passed counts as a bad answer too: the
   worker answers its checks but not its requests (a slow or lossy link, a gray failure), and
-  readmitting it on the next check would send it requests to time out again and again.
+  readmitting it on the next check would send it requests to time out again and again. So
+  does a worker outrun by a hedge that another worker answered within `hedge_after_s`
+  (proxy.py).
   Without `passive_ejection` (a known-bad variant) nothing is ejected.
 - capacity: a worker can take a request while outstanding < max_num_seqs * (1 + ratio), ratio
   = `worker_queue_allowance_ratio` for gpu workers, `cpu_queue_allowance_ratio` (0) for cpu
