@@ -7,10 +7,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from llmchaos.load.traffic import TrafficSpec
 from llmchaos.signals import held
 from llmchaos.stack.config import DEFAULT_VARIANT, VARIANTS, StackConfig
-from llmchaos.stack.fleet import FleetSettings, TrafficShape, check_fits_here, plan_fleet
+from llmchaos.stack.fleet import DEFAULT_TRAFFIC, FleetSettings, check_fits_here, plan_fleet
 from llmchaos.stack.stack import (
     gateway_layout,
     live_status,
@@ -172,7 +171,7 @@ def _config(args: argparse.Namespace) -> StackConfig:
     if args.qps is None:
         return replace(base, **given)
     settings = FleetSettings(gpus_per_node=given.get("gpus_per_node", _FLEET.gpus_per_node))
-    layout = plan_fleet(args.qps, TrafficShape.of_laws(TrafficSpec()), settings)
+    layout = plan_fleet(args.qps, DEFAULT_TRAFFIC, settings)
     check_fits_here(layout, overridden=frozenset(given))
     config = layout.stack_config(base, **given)
     print(layout.describe())

@@ -1,7 +1,7 @@
 """A fleet sized from the asked rate: gateways, GPU nodes, CPU fallback pool.
 
-    traffic = TrafficShape.of_laws(TrafficSpec())       # the load's default (the seed's) traffic
-    layout = plan_fleet(1000, traffic)                   # FleetLayout: pure arithmetic
+    layout = plan_fleet(1000, DEFAULT_TRAFFIC)           # FleetLayout: pure arithmetic
+    TrafficShape.of_laws(TrafficSpec(...))               # another traffic's mean request
     config = layout.stack_config(StackConfig())          # the StackConfig fields it sets
     check_fits_here(layout)                              # InvalidInput past this machine's limits
 
@@ -64,6 +64,7 @@ from llmchaos.stack.config import (
 from llmchaos.stack.settings import CPU_PROFILE, GPU_PROFILE, EngineProfile
 
 __all__ = [
+    "DEFAULT_TRAFFIC",
     "MAX_FLEET_QPS",
     "FleetLayout",
     "FleetSettings",
@@ -133,6 +134,13 @@ class TrafficShape:
             drawn = (laws.output_median_tokens for _ in quantiles)
         output = sum(max(1, min(d, laws.output_max_tokens)) for d in drawn)
         return cls(laws.context_tokens + prompt / n, output / n)
+
+
+DEFAULT_TRAFFIC = TrafficShape(prompt_tokens=553.5, output_tokens=9.72)
+"""The load's default traffic (llmchaos.load.traffic.TrafficSpec(): the seed's 512-token
+context and Zipf prompts, median 8 output tokens) as its mean request. Written out because
+the stack does not import the load; tests/stack/test_fleet.py checks it against
+`TrafficShape.of_laws(TrafficSpec())`."""
 
 
 def engine_capacity_qps(profile: EngineProfile, traffic: TrafficShape) -> float:

@@ -15,6 +15,7 @@ from llmchaos.load.traffic import TrafficModel, TrafficSpec
 from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig
 from llmchaos.stack.fleet import (
+    DEFAULT_TRAFFIC,
     FleetLayout,
     FleetSettings,
     TrafficShape,
@@ -30,7 +31,7 @@ from llmchaos.stack.topology import Topology
 from tests.stack.stack_client import chat, valid_token
 
 RATES = (50, 1000, 5000, 20000)
-SEED = TrafficShape.of_laws(TrafficSpec())
+SEED = DEFAULT_TRAFFIC
 
 VLLM_H100_LLAMA3_8B_1000_100_RPS = 20.72
 """vLLM PR #4600: benchmark_throughput --input-len 1000 --output-len 100, Llama 3 8B, 1x H100,
@@ -44,8 +45,12 @@ def test_traffic_means_are_what_the_load_sampler_draws() -> None:
     n = 200_000
     prompt = sum(model.prompt_tokens() for _ in range(n)) / n + TrafficSpec().context_tokens
     output = sum(model.output_tokens() for _ in range(n)) / n
-    assert SEED.prompt_tokens == pytest.approx(prompt, rel=0.01)
-    assert SEED.output_tokens == pytest.approx(output, rel=0.01)
+    shape = TrafficShape.of_laws(TrafficSpec())
+    assert shape.prompt_tokens == pytest.approx(prompt, rel=0.01)
+    assert shape.output_tokens == pytest.approx(output, rel=0.01)
+    # the stack's copy of the load's defaults
+    assert DEFAULT_TRAFFIC.prompt_tokens == pytest.approx(shape.prompt_tokens, abs=0.05)
+    assert DEFAULT_TRAFFIC.output_tokens == pytest.approx(shape.output_tokens, abs=0.005)
 
 
 def test_one_simulated_gpu_is_calibrated_to_published_vllm_figures() -> None:
