@@ -28,6 +28,8 @@ from llmchaos.stack.procs import http_get_status
 from llmchaos.stack.settings import GPU_PROFILE
 from llmchaos.stack.stack import gateway_layout, node_layout
 from llmchaos.stack.topology import Topology
+from llmchaos.targets.embedded import EmbeddedSettings
+from llmchaos.targets.embedded.target import planned_info
 from tests.stack.stack_client import chat, valid_token
 
 RATES = (50, 1000, 5000, 20000)
@@ -182,6 +184,15 @@ def test_the_default_topology_is_unchanged() -> None:
     assert gateway_layout(StackConfig(variant="no-backup-gateway")) == [
         ("gateway-primary", "primary")
     ]
+
+
+def test_a_chaos_run_knows_the_fleet_names_before_it_starts() -> None:
+    settings = EmbeddedSettings(gpu_workers=4, gpus_per_node=2, active_gateways=2)
+    info = planned_info(settings.stack_config())
+    assert info.gpu_workers(node="node-a") == ["gpu-0", "gpu-1"]
+    assert info.gpu_workers(node="node-b") == ["gpu-2", "gpu-3"]
+    assert info.gateways == ("gateway-primary", "gateway-primary-2", "gateway-backup")
+    assert info.gateway_names("primary") == ["gateway-primary"]
 
 
 def test_an_uneven_last_node_holds_the_rest() -> None:
