@@ -227,18 +227,12 @@ def test_stack_up_qps_past_this_machine_is_one_line_and_exit_2(tmp_path: Path, c
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_gpus_serve_and_a_partition_takes_exactly_one_node(  # type: ignore[no-untyped-def]
+def test_the_fleet_for_60_qps_serves_and_a_partition_takes_exactly_one_node(  # type: ignore[no-untyped-def]
     stack_factory, needs_netns
 ) -> None:
-    layout = FleetLayout(
-        qps=60,
-        gpu_rated_qps=46.8,
-        cpu_rated_qps=2.4,
-        gpus_per_node=2,
-        gpu_nodes=2,
-        cpu_workers=1,
-        active_gateways=2,
-    )
+    layout = plan_fleet(60, SEED)
+    assert (layout.gpu_nodes, layout.gpus_per_node, layout.cpu_workers) == (2, 2, 1)
+    assert layout.active_gateways == 2
     stack: Topology = stack_factory(**layout.sizes())
     assert [(n.name, [w.name for w in n.workers]) for n in stack.nodes] == [
         ("node-a", ["gpu-0", "gpu-1"]),
