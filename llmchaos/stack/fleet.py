@@ -21,7 +21,9 @@ The sizing rule (`plan_fleet`):
 - Gateways, active-active N+1 behind HAProxy, plus one backup: ceil(qps / gateway_qps) + 1
   active ones (any one can crash and the rest carry the rate), and HAProxy's backup server
   for when every active one is down. `gateway_qps` 1000: two thirds of the 1,507 QPS one
-  gateway process sustained on this machine (README, "Capacity on this machine").
+  gateway process sustained on this machine (README, "Capacity on this machine"); with the
+  default traffic's 554-token prompts a gateway costs 0.45 CPU-s per 1000 requests
+  (bench/gateway_throughput.py --prompt-tokens 554), so 1000 QPS is ~45% of a core.
 - CPU fallback pool: carries `cpu_fallback_share` (2%) of the rate at the CPU profile's rated
   capacity, at least one worker. It is there to keep answering (degraded, shorter answers)
   while no GPU can serve, not to replace them: at ~4 QPS per CPU worker on the default traffic,
