@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from llmchaos.signals import held
 from llmchaos.stack.config import DEFAULT_VARIANT, VARIANTS, StackConfig
-from llmchaos.stack.stack import live_status, start_stack, stop_stack
+from llmchaos.stack.fleet import DEFAULT_TRAFFIC, FleetSettings, check_fits_here, plan_fleet
+from llmchaos.stack.stack import (
+    gateway_layout,
+    live_status,
+    node_layout,
+    start_stack,
+    stop_stack,
+)
 from llmchaos.stack.topology import Topology, find_state_dir
 
 __all__ = ["register"]
 
 _DEFAULTS = StackConfig()
+_FLEET = FleetSettings()
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,8 +41,41 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=["auto", "on", "off"],
         help="nodes as network namespaces (on needs root; auto = on when root)",
     )
-    up.add_argument("--gpu-workers", type=int, default=_DEFAULTS.gpu_workers, metavar="N")
-    up.add_argument("--cpu-workers", type=int, default=_DEFAULTS.cpu_workers, metavar="N")
+    up.add_argument(
+        "--qps",
+        type=float,
+        metavar="N",
+        help="lay out a fleet for N requests/s of the load's default traffic: nodes of "
+        "--gpus-per-node GPU workers (N+1 by node), a CPU fallback pool, active-active "
+        "gateways plus the backup (README: A fleet sized from the rate); the flags below "
+        "override its parts",
+    )
+    up.add_argument(
+        "--gpu-workers",
+        type=int,
+        metavar="N",
+        help=f"GPU workers (default {_DEFAULTS.gpu_workers}, or the fleet's)",
+    )
+    up.add_argument(
+        "--gpus-per-node",
+        type=int,
+        metavar="K",
+        help=f"GPU workers per node (default {_DEFAULTS.gpus_per_node}; with --qps "
+        f"{_FLEET.gpus_per_node})",
+    )
+    up.add_argument(
+        "--cpu-workers",
+        type=int,
+        metavar="N",
+        help=f"CPU fallback workers (default {_DEFAULTS.cpu_workers}, or the fleet's)",
+    )
+    up.add_argument(
+        "--active-gateways",
+        type=int,
+        metavar="N",
+        help=f"gateways HAProxy spreads requests over, besides the backup (default "
+        f"{_DEFAULTS.active_gateways}, or the fleet's)",
+    )
     up.add_argument(
         "--port", type=int, default=_DEFAULTS.port, help="HAProxy port on 127.0.0.1 (0: any free)"
     )
@@ -99,11 +141,25 @@ def _add_state_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    config = StackConfig(
+    config = _config(args)
+    topology = start_stack(config, progress=True)
+    print(f"stack {topology.stack_id} ({topology.variant}) up: {topology.gateway_url}")
+    print(f"tokens: {topology.tokens_file}")
+    print(topology.path)
+    return 0
+
+
+_SIZES = ("gpu_workers", "gpus_per_node", "cpu_workers", "active_gateways")
+"""The StackConfig fields a fleet sets, and flags of the same names override."""
+
+
+def _config(args: argparse.Namespace) -> StackConfig:
+    """The StackConfig of `stack up`: the fleet for --qps (printed) with the sizes given
+    explicitly on top. Raises InvalidInput for a bad rate or a fleet this machine cannot run."""
+    given = {name: getattr(args, name) for name in _SIZES if getattr(args, name) is not None}
+    base = StackConfig(
         variant=args.variant,
         netns=args.netns,
-        gpu_workers=args.gpu_workers,
-        cpu_workers=args.cpu_workers,
         port=args.port,
         gpu_load_s=args.gpu_load_s,
         gpu_max_num_seqs=args.gpu_max_num_seqs,
@@ -112,11 +168,17 @@ def _up(args: argparse.Namespace) -> int:
         discovery=args.discovery,
         state_root=args.state_root,
     )
-    topology = start_stack(config, progress=True)
-    print(f"stack {topology.stack_id} ({topology.variant}) up: {topology.gateway_url}")
-    print(f"tokens: {topology.tokens_file}")
-    print(topology.path)
-    return 0
+    if args.qps is None:
+        return replace(base, **given)
+    settings = FleetSettings(gpus_per_node=given.get("gpus_per_node", _FLEET.gpus_per_node))
+    layout = plan_fleet(args.qps, DEFAULT_TRAFFIC, settings)
+    check_fits_here(layout, overridden=frozenset(given))
+    config = layout.stack_config(base, **given)
+    print(layout.describe())
+    for node, workers in node_layout(config):
+        print(f"  {node}: {', '.join(name for name, _ in workers)}")
+    print(f"  gateways: {', '.join(name for name, _ in gateway_layout(config))}")
+    return config
 
 
 def _status(args: argparse.Namespace) -> int:

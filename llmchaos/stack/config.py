@@ -16,6 +16,10 @@ from llmchaos.stack.settings import CacheSettings, EngineProfile, GatewaySetting
 
 __all__ = [
     "DEFAULT_VARIANT",
+    "MAX_ACTIVE_GATEWAYS",
+    "MAX_CPU_WORKERS",
+    "MAX_GPUS_PER_NODE",
+    "MAX_GPU_WORKERS",
     "VARIANTS",
     "DiscoveryMode",
     "NetnsMode",
@@ -26,6 +30,14 @@ __all__ = [
 
 NetnsMode = Literal["auto", "on", "off"]
 DiscoveryMode = Literal["static", "etcd"]
+
+# What one machine runs: each worker and gateway is a Python process, and each node a network
+# namespace whose /30 and link numbers must stay below the registry's (netns.py: 21 nodes).
+MAX_GPU_WORKERS = 20
+MAX_CPU_WORKERS = 20
+MAX_GPUS_PER_NODE = 8
+"""A DGX-like node."""
+MAX_ACTIVE_GATEWAYS = 8
 
 
 @dataclass(frozen=True)
@@ -177,16 +189,29 @@ def get_variant(name: str) -> Variant:
 @dataclass(frozen=True)
 class StackConfig:
     """Everything `llmchaos stack up` can be told. Defaults give the reference topology:
-    node-a (gpu-0), node-b (gpu-1), node-c (cpu-0), two gateways behind HAProxy on :8800."""
+    node-a (gpu-0), node-b (gpu-1), node-c (cpu-0), a primary and a backup gateway behind
+    HAProxy on :8800. A fleet sized from a rate (llmchaos.stack.fleet) sets `gpu_workers`,
+    `gpus_per_node`, `cpu_workers` and `active_gateways`: e.g. 2 per node gives node-a
+    (gpu-0, gpu-1), node-b (gpu-2, gpu-3), ..., and the CPU node after them."""
 
     variant: str = DEFAULT_VARIANT
     """Name of a `Variant` in VARIANTS."""
     netns: NetnsMode = "auto"
     """Nodes as network namespaces: on (needs root), off (loopback), auto (on when root)."""
     gpu_workers: int = 2
-    """GPU workers, one per node (node-a, node-b, ...)."""
+    """GPU workers, `gpus_per_node` per node (node-a, node-b, ...), named gpu-0, gpu-1, ...
+    in node order (at most 20)."""
+    gpus_per_node: int = 1
+    """GPU workers per node (1..8). A node is one namespace, its agent and these workers: a
+    partition or a node's crash takes all of them at once. The last GPU node holds the rest
+    when `gpu_workers` is not a multiple."""
     cpu_workers: int = 1
-    """CPU fallback workers, all on the node after the GPU nodes (node-c by default)."""
+    """CPU fallback workers, all on the node after the GPU nodes (node-c by default; at most
+    20)."""
+    active_gateways: int = 1
+    """Gateways HAProxy spreads requests over (least connections), 1..8: gateway-primary,
+    then gateway-primary-2, ... The variant's backup gateway (gateway-backup) comes on top and
+    serves only when every active one is down."""
     port: int = 8800
     """HAProxy's front port on 127.0.0.1 (the gateway URL); 0 picks a free one."""
     model: str = "llmchaos-7b"
@@ -252,6 +277,8 @@ class StackConfig:
         for name, low in (
             ("gpu_workers", 0),
             ("cpu_workers", 0),
+            ("gpus_per_node", 1),
+            ("active_gateways", 1),
             ("tenants", 1),
             ("token_db_pool_size", 1),
         ):
@@ -260,8 +287,14 @@ class StackConfig:
                 raise InvalidInput(f"{name}: expected an integer >= {low}, got {value!r}")
         if self.gpu_workers + self.cpu_workers < 1:
             raise InvalidInput("gpu_workers + cpu_workers: expected at least one worker")
-        if self.gpu_workers > 20:
-            raise InvalidInput(f"gpu_workers: expected at most 20, got {self.gpu_workers}")
+        for name, high in (
+            ("gpu_workers", MAX_GPU_WORKERS),
+            ("cpu_workers", MAX_CPU_WORKERS),
+            ("gpus_per_node", MAX_GPUS_PER_NODE),
+            ("active_gateways", MAX_ACTIVE_GATEWAYS),
+        ):
+            if getattr(self, name) > high:
+                raise InvalidInput(f"{name}: expected at most {high}, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise InvalidInput(f"port: expected 0..65535, got {self.port}")
         for name in ("gpu_load_s", "cpu_load_s", "restart_delay_s", "token_db_latency_ms"):

@@ -84,6 +84,10 @@ class HaproxyServer:
 def haproxy_config(port: int, servers: list[HaproxyServer], stats_port: int) -> str:
     """HAProxy config: one front on 127.0.0.1:`port`, gateways checked every second.
 
+    Requests go to the active (non-backup) gateways, the one with the fewest open
+    connections first (LLM requests last seconds: round robin would pile them up on one); a
+    backup server gets requests only when every active one is down.
+
     `fall 2 rise 2` at 1 s marks a dead primary down in ~2 s, then the backup serves; a
     refused connection is retried and redispatched so that, once the primary is down, the
     retries land on the backup. The admin socket is TCP on loopback: a unix socket's path in a
@@ -120,6 +124,7 @@ def haproxy_config(port: int, servers: list[HaproxyServer], stats_port: int) -> 
         f"    bind 127.0.0.1:{port}",
         "    default_backend gateways",
         "backend gateways",
+        "    balance leastconn",
         "    option httpchk GET /healthz",
         "    http-check expect status 200",
         "    default-server inter 1s fastinter 500ms downinter 1s fall 2 rise 2",

@@ -16,6 +16,7 @@ in memory (a signal can come between creating a thing and noting it), so the tea
 from __future__ import annotations
 
 import ipaddress
+import math
 import secrets
 import subprocess
 import sys
@@ -81,6 +82,7 @@ from llmchaos.stack.topology import (
 
 __all__ = [
     "WORKER_PORT",
+    "gateway_layout",
     "live_status",
     "node_layout",
     "restart_gateway",
@@ -248,10 +250,9 @@ def _start(
             latency_for_s=config.degradation_latency_for_s,
         ),
     )
-    roles = ["primary", "backup"] if variant.backup_gateway else ["primary"]
     gateways = []
-    for role in roles:
-        settings = replace(variant.gateway_settings(base), name=f"gateway-{role}", port=free_port())
+    for name, role in gateway_layout(config):
+        settings = replace(variant.gateway_settings(base), name=name, port=free_port())
         gateways.append(
             start_gateway(settings, role, state_dir, stack_id, owner, config.ready_timeout_s)
         )
@@ -404,15 +405,32 @@ def _start_autoscaler(
 
 
 def node_layout(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
-    """[(node, [(worker, mode), ...]), ...]: one GPU worker per node, then the CPU node.
+    """[(node, [(worker, mode), ...]), ...]: `gpus_per_node` GPU workers per node, numbered
+    across nodes (node-a: gpu-0, gpu-1; node-b: gpu-2, ...), then the CPU node.
 
     Known before anything starts, so experiments can be checked against it first."""
     letters = "abcdefghijklmnopqrstuvwxyz"
-    layout = [(f"node-{letters[i]}", [(f"gpu-{i}", "gpu")]) for i in range(config.gpu_workers)]
+    k = config.gpus_per_node
+    gpus = [f"gpu-{i}" for i in range(config.gpu_workers)]
+    layout = [
+        (f"node-{letters[n]}", [(name, "gpu") for name in gpus[n * k : (n + 1) * k]])
+        for n in range(math.ceil(len(gpus) / k))
+    ]
     if config.cpu_workers:
-        cpu_node = f"node-{letters[config.gpu_workers]}"
+        cpu_node = f"node-{letters[len(layout)]}"
         layout.append((cpu_node, [(f"cpu-{i}", "cpu") for i in range(config.cpu_workers)]))
     return layout
+
+
+def gateway_layout(config: StackConfig) -> list[tuple[str, str]]:
+    """[(gateway, role), ...]: the active ones (role primary: gateway-primary,
+    gateway-primary-2, ...), then the variant's backup."""
+    active = [
+        ("gateway-primary" if i == 1 else f"gateway-primary-{i}", "primary")
+        for i in range(1, config.active_gateways + 1)
+    ]
+    backup = [("gateway-backup", "backup")] if get_variant(config.variant).backup_gateway else []
+    return active + backup
 
 
 def _start_nodes(
@@ -445,6 +463,7 @@ def _start_nodes(
                 host=address,
                 port=port,
                 model=config.model,
+                gpu_index=worker_index if mode == "gpu" else 0,
                 profile=replace(
                     base,
                     load_s=load_s,

@@ -121,7 +121,8 @@ class GatewayInfo:
 
     name: str
     role: str
-    """primary or backup (HAProxy sends to the backup only when the primary is down)."""
+    """primary (an active gateway: HAProxy spreads requests over all of them) or backup
+    (HAProxy sends to it only when every primary is down)."""
     url: str
     pid: int
     settings_path: str

@@ -16,7 +16,14 @@ from llmchaos.configuration import Range, check_ranges
 from llmchaos.ledger import FaultLedger
 from llmchaos.processes import Owner
 from llmchaos.stack.cleanup import cleanup
-from llmchaos.stack.config import VARIANTS, StackConfig
+from llmchaos.stack.config import (
+    MAX_ACTIVE_GATEWAYS,
+    MAX_CPU_WORKERS,
+    MAX_GPU_WORKERS,
+    MAX_GPUS_PER_NODE,
+    VARIANTS,
+    StackConfig,
+)
 from llmchaos.stack.stack import start_stack
 from llmchaos.stack.topology import Topology
 from llmchaos.targets import CleanupRequest, Target, TargetInfo, TargetKind, TargetSettings
@@ -33,8 +40,14 @@ class EmbeddedSettings(TargetSettings):
     """Nodes as network namespaces: auto = when root (partitions need it)."""
     gpu_workers: int = 2
     """GPU workers (node-a, node-b, ...)."""
+    gpus_per_node: int = 1
+    """GPU workers per node: a partition or a node's crash takes all of them (node-a: gpu-0,
+    gpu-1 with 2). 1 keeps the catalogue's names: node-a is gpu-0 alone."""
     cpu_workers: int = 1
     """CPU fallback workers (on the node after the GPU nodes)."""
+    active_gateways: int = 1
+    """Gateways HAProxy spreads requests over (gateway-primary, gateway-primary-2, ...),
+    besides the backup. 1: a gateway crash is the seed's failover to the backup."""
     gpu_load_s: float = 10.0
     """Model-load time of a GPU worker after a restart: the not-ready gap a GPU kill opens. A
     7B model on Kubernetes takes ~45 s (seed); 10 s keeps runs short and still longer than
@@ -86,8 +99,10 @@ class EmbeddedSettings(TargetSettings):
     """Folder of the stacks' state folders."""
 
     RANGES: ClassVar[dict[str, Range]] = {
-        "gpu_workers": Range(0, 64),
-        "cpu_workers": Range(0, 64),
+        "gpu_workers": Range(0, MAX_GPU_WORKERS),
+        "gpus_per_node": Range(1, MAX_GPUS_PER_NODE),
+        "cpu_workers": Range(0, MAX_CPU_WORKERS),
+        "active_gateways": Range(1, MAX_ACTIVE_GATEWAYS),
         "gpu_load_s": Range(0, 3600),
         "first_load_s": Range(0, 3600),
         "restart_delay_s": Range(0, 600),

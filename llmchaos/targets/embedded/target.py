@@ -26,11 +26,17 @@ from llmchaos.ledger import Verification
 from llmchaos.processes import pid_alive, start_ticks
 from llmchaos.stack import cgroups, netns, tc
 from llmchaos.stack.agent import AgentSettings
-from llmchaos.stack.config import StackConfig, get_variant
+from llmchaos.stack.config import StackConfig
 from llmchaos.stack.procs import http_get_status
 from llmchaos.stack.registry import MEMBERS, leader, restart_member, wait_ready
 from llmchaos.stack.settings import load_settings
-from llmchaos.stack.stack import node_layout, restart_gateway, stop_stack, use_netns
+from llmchaos.stack.stack import (
+    gateway_layout,
+    node_layout,
+    restart_gateway,
+    stop_stack,
+    use_netns,
+)
 from llmchaos.stack.topology import (
     RegistryInfo,
     Topology,
@@ -56,7 +62,6 @@ _GATEWAY_READ_TIMEOUT_S = 2.0
 
 def planned_info(config: StackConfig) -> TargetInfo:
     """The names a stack started from `config` will have, known before starting it."""
-    roles = ("primary", "backup") if get_variant(config.variant).backup_gateway else ("primary",)
     with_netns = use_netns(config)
     return TargetInfo(
         nodes=tuple(node for node, _ in node_layout(config)),
@@ -65,7 +70,7 @@ def planned_info(config: StackConfig) -> TargetInfo:
             for node, workers in node_layout(config)
             for worker, mode in workers
         ),
-        gateways=tuple(f"gateway-{role}" for role in roles),
+        gateways=tuple(name for name, _ in gateway_layout(config)),
         partitions_supported=with_netns,
         partitions_need="nodes as network namespaces: root, with netns auto or on",
         registry_members=tuple(f"reg-{i}" for i in range(MEMBERS))

@@ -1,0 +1,264 @@
+"""A fleet sized from the asked rate: the layout rule, its StackConfig, and a real one up."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from llmchaos.cli import main
+from llmchaos.errors import InvalidInput
+from llmchaos.load.traffic import TrafficModel, TrafficSpec
+from llmchaos.stack import netns
+from llmchaos.stack.config import StackConfig
+from llmchaos.stack.fleet import (
+    DEFAULT_TRAFFIC,
+    FleetLayout,
+    FleetSettings,
+    TrafficShape,
+    check_fits_here,
+    engine_capacity_qps,
+    most_qps_here,
+    plan_fleet,
+)
+from llmchaos.stack.procs import http_get_status
+from llmchaos.stack.settings import GPU_PROFILE
+from llmchaos.stack.stack import gateway_layout, node_layout
+from llmchaos.stack.topology import Topology
+from llmchaos.targets.embedded import EmbeddedSettings
+from llmchaos.targets.embedded.target import planned_info
+from tests.stack.stack_client import chat, valid_token
+
+RATES = (50, 1000, 5000, 20000)
+SEED = DEFAULT_TRAFFIC
+
+VLLM_H100_LLAMA3_8B_1000_100_RPS = 20.72
+"""vLLM PR #4600: benchmark_throughput --input-len 1000 --output-len 100, Llama 3 8B, 1x H100,
+vLLM 0.4.1."""
+VLLM_H100_LLAMA3_8B_LIGHT_LOAD_TPOT_MS = 13.0
+"""vLLM blog 2024-09-05: "Llama3 8B can generate 1 token every 13 ms under light load"."""
+
+
+def test_traffic_means_are_what_the_load_sampler_draws() -> None:
+    model = TrafficModel(TrafficSpec(), seed=3)
+    n = 200_000
+    prompt = sum(model.prompt_tokens() for _ in range(n)) / n + TrafficSpec().context_tokens
+    output = sum(model.output_tokens() for _ in range(n)) / n
+    shape = TrafficShape.of_laws(TrafficSpec())
+    assert shape.prompt_tokens == pytest.approx(prompt, rel=0.01)
+    assert shape.output_tokens == pytest.approx(output, rel=0.01)
+    # the stack's copy of the load's defaults
+    assert DEFAULT_TRAFFIC.prompt_tokens == pytest.approx(shape.prompt_tokens, abs=0.05)
+    assert DEFAULT_TRAFFIC.output_tokens == pytest.approx(shape.output_tokens, abs=0.005)
+
+
+def test_one_simulated_gpu_is_calibrated_to_published_vllm_figures() -> None:
+    """The cost model on vLLM's benchmark_throughput shape (1000 in, 100 out) against the
+    published H100 figure: at least it, at most the 2.7x that vLLM 0.6.0 gained on Llama 8B
+    (the profile models a recent engine); and the light-load decode step against 13 ms."""
+    rps = engine_capacity_qps(GPU_PROFILE, TrafficShape(1000, 100))
+    assert 1.0 <= rps / VLLM_H100_LLAMA3_8B_1000_100_RPS <= 2.7, rps
+    light_load_ms = GPU_PROFILE.decode_base_ms + GPU_PROFILE.decode_ms_per_seq
+    assert light_load_ms == pytest.approx(VLLM_H100_LLAMA3_8B_LIGHT_LOAD_TPOT_MS, rel=0.2)
+
+
+def test_capacity_is_the_engine_steady_state_by_hand() -> None:
+    """Default traffic: the prefill budget binds (8192 / 554 prompts a step), not the batch."""
+    admitted = GPU_PROFILE.max_num_batched_tokens / SEED.prompt_tokens
+    step_ms = (
+        GPU_PROFILE.prefill_base_ms
+        + GPU_PROFILE.prefill_ms_per_token * SEED.prompt_tokens * admitted
+        + GPU_PROFILE.decode_ms_per_seq * admitted * SEED.output_tokens
+    )
+    assert engine_capacity_qps(GPU_PROFILE, SEED) == pytest.approx(1000 * admitted / step_ms)
+    # long answers: the KV cache caps the batch at 200,000 / (1000 + 100 / 2) sequences
+    running = GPU_PROFILE.kv_cache_tokens / 1050
+    step_ms = (
+        GPU_PROFILE.prefill_base_ms
+        + GPU_PROFILE.prefill_ms_per_token * 1000 * running / 100
+        + GPU_PROFILE.decode_ms_per_seq * running
+    )
+    assert engine_capacity_qps(GPU_PROFILE, TrafficShape(1000, 100)) == pytest.approx(
+        1000 * running / 100 / step_ms
+    )
+
+
+@pytest.mark.parametrize("qps", RATES)
+def test_layout_is_n_plus_one_by_node(qps: float) -> None:
+    layout = plan_fleet(qps, SEED)
+    k = layout.gpus_per_node
+    assert layout.gpu_workers == layout.gpu_nodes * k
+    assert layout.qps_after_node_loss() >= qps, "losing any one node must leave enough GPUs"
+    if layout.gpu_nodes > 2:  # and not a node more than that
+        assert (layout.gpu_nodes - 2) * k * layout.gpu_rated_qps < qps
+    assert layout.gpu_rated_qps == pytest.approx(
+        engine_capacity_qps(GPU_PROFILE, SEED) * FleetSettings().target_utilization
+    )
+
+
+@pytest.mark.parametrize("qps", RATES)
+def test_layout_has_active_gateways_a_backup_and_a_cpu_pool(qps: float) -> None:
+    layout = plan_fleet(qps, SEED)
+    assert layout.backup_gateways == 1
+    assert layout.active_gateways >= 2
+    assert (layout.active_gateways - 1) * FleetSettings().gateway_qps >= qps
+    assert layout.cpu_workers >= 1
+    assert layout.cpu_workers * layout.cpu_rated_qps >= 0.02 * qps
+
+
+def test_more_load_means_more_gpus_never_faster_ones() -> None:
+    layouts = [plan_fleet(qps, SEED) for qps in (10, *RATES, 100_000)]
+    for smaller, larger in itertools.pairwise(layouts):
+        assert larger.gpu_workers >= smaller.gpu_workers
+        assert larger.gpu_workers > smaller.gpu_workers or larger.qps <= 2 * larger.gpu_rated_qps
+        assert larger.cpu_workers >= smaller.cpu_workers
+        assert larger.active_gateways >= smaller.active_gateways
+        assert larger.gpu_rated_qps == smaller.gpu_rated_qps
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_bigger_nodes_need_a_bigger_spare(k: int) -> None:
+    layout = plan_fleet(1000, SEED, FleetSettings(gpus_per_node=k))
+    assert layout.gpus_per_node == k
+    assert layout.qps_after_node_loss() >= 1000
+    assert layout.gpu_workers - math.ceil(1000 / layout.gpu_rated_qps) < 2 * k
+
+
+@pytest.mark.parametrize("qps", [0, -5, math.nan, math.inf, 2e6])
+def test_a_rate_out_of_range_names_qps(qps: float) -> None:
+    with pytest.raises(InvalidInput, match=r"--qps: expected a rate in \(0, 1000000\]"):
+        plan_fleet(qps, SEED)
+
+
+def test_a_fleet_past_this_machine_is_refused_naming_qps_and_the_limit() -> None:
+    check_fits_here(plan_fleet(50, SEED))
+    most = math.floor(most_qps_here(plan_fleet(50, SEED)))
+    check_fits_here(plan_fleet(most, SEED))
+    with pytest.raises(InvalidInput) as refused:
+        check_fits_here(plan_fleet(most + 50, SEED))
+    message = str(refused.value)
+    assert f"--qps {most + 50}" in message and "GPU workers" in message
+    assert "at most 20" in message and f"--qps at most {most}" in message
+    # a part given explicitly is the user's call
+    check_fits_here(plan_fleet(5000, SEED), overridden=frozenset({"gpu_workers", "cpu_workers"}))
+
+
+def test_stack_config_from_a_layout() -> None:
+    layout = FleetLayout(
+        qps=100,
+        gpu_rated_qps=50,
+        cpu_rated_qps=2,
+        gpus_per_node=2,
+        gpu_nodes=3,
+        cpu_workers=2,
+        active_gateways=3,
+    )
+    config = layout.stack_config(StackConfig(port=0))
+    assert config.port == 0
+    assert node_layout(config) == [
+        ("node-a", [("gpu-0", "gpu"), ("gpu-1", "gpu")]),
+        ("node-b", [("gpu-2", "gpu"), ("gpu-3", "gpu")]),
+        ("node-c", [("gpu-4", "gpu"), ("gpu-5", "gpu")]),
+        ("node-d", [("cpu-0", "cpu"), ("cpu-1", "cpu")]),
+    ]
+    assert gateway_layout(config) == [
+        ("gateway-primary", "primary"),
+        ("gateway-primary-2", "primary"),
+        ("gateway-primary-3", "primary"),
+        ("gateway-backup", "backup"),
+    ]
+    assert layout.stack_config(StackConfig(), gpu_workers=5).gpu_workers == 5
+
+
+def test_the_default_topology_is_unchanged() -> None:
+    config = StackConfig()
+    assert node_layout(config) == [
+        ("node-a", [("gpu-0", "gpu")]),
+        ("node-b", [("gpu-1", "gpu")]),
+        ("node-c", [("cpu-0", "cpu")]),
+    ]
+    assert gateway_layout(config) == [("gateway-primary", "primary"), ("gateway-backup", "backup")]
+    assert gateway_layout(StackConfig(variant="no-backup-gateway")) == [
+        ("gateway-primary", "primary")
+    ]
+
+
+def test_a_chaos_run_knows_the_fleet_names_before_it_starts() -> None:
+    settings = EmbeddedSettings(gpu_workers=4, gpus_per_node=2, active_gateways=2)
+    info = planned_info(settings.stack_config())
+    assert info.gpu_workers(node="node-a") == ["gpu-0", "gpu-1"]
+    assert info.gpu_workers(node="node-b") == ["gpu-2", "gpu-3"]
+    assert info.gateways == ("gateway-primary", "gateway-primary-2", "gateway-backup")
+    assert info.gateway_names("primary") == ["gateway-primary"]
+
+
+def test_an_uneven_last_node_holds_the_rest() -> None:
+    layout = node_layout(StackConfig(gpu_workers=5, gpus_per_node=2, cpu_workers=0))
+    assert [len(workers) for _, workers in layout] == [2, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("gpus_per_node", 0, "gpus_per_node: expected an integer >= 1"),
+        ("gpus_per_node", 9, "gpus_per_node: expected at most 8"),
+        ("active_gateways", 0, "active_gateways: expected an integer >= 1"),
+        ("active_gateways", 9, "active_gateways: expected at most 8"),
+        ("cpu_workers", 21, "cpu_workers: expected at most 20"),
+    ],
+)
+def test_stack_config_limits(field: str, value: int, expected: str) -> None:
+    with pytest.raises(InvalidInput, match=expected):
+        StackConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_stack_up_qps_past_this_machine_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["stack", "up", "--qps", "5000", "--state-root", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "--qps 5000" in captured.err and "at most 20" in captured.err
+    assert not captured.out, "nothing is laid out for a fleet that is refused"
+    assert not list(tmp_path.iterdir()), "nothing may be started or written for bad input"
+    assert main(["stack", "up", "--qps", "0", "--state-root", str(tmp_path)]) == 2
+    assert "--qps: expected a rate" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_fleet_for_60_qps_serves_and_a_partition_takes_exactly_one_node(  # type: ignore[no-untyped-def]
+    stack_factory, needs_netns
+) -> None:
+    layout = plan_fleet(60, SEED)
+    assert (layout.gpu_nodes, layout.gpus_per_node, layout.cpu_workers) == (2, 2, 1)
+    assert layout.active_gateways == 2
+    stack: Topology = stack_factory(**layout.sizes())
+    assert [(n.name, [w.name for w in n.workers]) for n in stack.nodes] == [
+        ("node-a", ["gpu-0", "gpu-1"]),
+        ("node-b", ["gpu-2", "gpu-3"]),
+        ("node-c", ["cpu-0"]),
+    ]
+    token = valid_token(stack)
+    replies = [chat(stack.gateway_url, token) for _ in range(40)]
+    assert all(r.status == 200 for r in replies), [r.status for r in replies]
+    assert {r.gateway for r in replies} == {"gateway-primary", "gateway-primary-2"}
+    assert {r.worker for r in replies} == {"gpu-0", "gpu-1", "gpu-2", "gpu-3"}
+
+    node_a = stack.node("node-a")
+    assert node_a.netns
+    netns.partition_namespace(node_a.netns)
+    try:
+        cut = [w.name for w in stack.nodes[0].workers + stack.nodes[1].workers if _silent(w.url)]
+        assert cut == ["gpu-0", "gpu-1"], "a node partition takes exactly its own workers"
+        replies = [chat(stack.gateway_url, token) for _ in range(30)]
+        assert all(r.status == 200 for r in replies), [r.status for r in replies]
+        assert {r.worker for r in replies[-15:]} == {"gpu-2", "gpu-3"}
+    finally:
+        netns.heal_partition(node_a.netns)
+
+
+def _silent(url: str) -> bool:
+    """True when the worker's /healthz times out (a partition), not answers or refuses."""
+    started = time.monotonic()
+    return http_get_status(f"{url}/healthz", 1.0) is None and time.monotonic() - started >= 0.9
