@@ -184,17 +184,26 @@ def stop_group(leader: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
     process of the group is alive. A child it forked can outlive the leader by a moment (a
     Locust worker does), so the leader's exit alone does not end the group."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        leader.poll()  # reaped, the leader no longer counts as a member
-        if not group_members(leader.pid):
+        if _group_gone(leader):
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(leader.pid, sig)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            leader.poll()
-            if not group_members(leader.pid):
+            if _group_gone(leader):
                 return
             time.sleep(0.05)
+
+
+def _group_gone(leader: subprocess.Popen[bytes]) -> bool:
+    """No process of `leader`'s group is alive. Once the leader is reaped its pid can be
+    handed out again, and a process that starts a session of its own then heads a group of
+    the same id: not ours (pids wrap every few minutes on a busy box at pid_max 32768). The
+    kernel does not reuse a pid that is still some group's id, so our group is gone by then."""
+    leader.poll()  # reaped, the leader no longer counts as a member
+    if leader.returncode is not None and pid_alive(leader.pid):
+        return True
+    return not group_members(leader.pid)
 
 
 def _reap(pid: int) -> None:
@@ -204,22 +213,30 @@ def _reap(pid: int) -> None:
 
 def stop_pids(pids: Sequence[int], grace_s: float = 3.0) -> list[int]:
     """SIGTERM `pids`, SIGKILL what is still alive after `grace_s`; returns the pids that were
-    alive at the start."""
-    alive = [pid for pid in pids if pid_alive(pid)]
+    alive at the start. A pid whose process ended and was handed to a new one meanwhile is
+    left alone (its start time no longer matches)."""
+    started = {pid: start_ticks(pid) for pid in pids}
+    alive = [pid for pid, ticks in started.items() if ticks is not None]
+
+    def still_ours(pid: int) -> bool:
+        return start_ticks(pid) == started[pid]
+
     for pid in alive:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
+        if still_ours(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     remaining = list(alive)
     while remaining and time.monotonic() < deadline:
         for pid in remaining:
             _reap(pid)
-        remaining = [pid for pid in remaining if pid_alive(pid)]
+        remaining = [pid for pid in remaining if still_ours(pid)]
         if remaining:
             time.sleep(0.05)
     for pid in remaining:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+        if still_ours(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
     for pid in remaining:
         _wait_gone(pid, 2.0)
     return alive

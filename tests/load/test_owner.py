@@ -61,6 +61,45 @@ def test_a_stopped_group_leaves_no_child_that_outlived_its_leader():
         leader.wait()
 
 
+def test_a_group_whose_leader_pid_was_handed_out_again_is_left_alone() -> None:
+    """The leader ended and was reaped; its pid now belongs to a new process heading a group
+    of its own (a `chaos run` in its own session): stopping the old group must not signal it.
+    The reuse is staged: a Popen whose pid is the new process's, already reaped."""
+    newcomer = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        reaped_leader = subprocess.Popen([sys.executable, "-c", "pass"])
+        reaped_leader.wait()
+        reaped_leader.pid = newcomer.pid  # the same number, handed out again
+        stop_group(reaped_leader, grace_s=1.0)  # type: ignore[arg-type]
+        assert newcomer.poll() is None, "the new process got the old group's signal"
+    finally:
+        newcomer.kill()
+        newcomer.wait()
+
+
+def test_stop_pids_spares_a_pid_that_changed_hands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the snapshot and the signal the process ended and its pid went to another:
+    the start time no longer matches, so no signal goes out (staged through start_ticks)."""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        real = processes.start_ticks
+        calls: list[int] = []
+
+        def ticks_that_change(pid: int) -> int | None:
+            calls.append(pid)
+            ticks = real(pid)
+            return ticks if len(calls) == 1 or ticks is None else ticks + 1
+
+        monkeypatch.setattr(processes, "start_ticks", ticks_that_change)
+        assert processes.stop_pids([bystander.pid], grace_s=0.5) == [bystander.pid]
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
 def test_owner_is_gone_once_killed_even_before_it_is_reaped():
     child = subprocess.Popen(["sleep", "30"])
     try:
