@@ -135,6 +135,10 @@ REPEAT_ENV = "LLMCHAOS_INTERRUPT_REPEAT"
 how they were run 20 times with both cores busy)."""
 
 
+PER_ATTEMPT_TIMEOUT_S = 300
+"""pytest-timeout's limit for one attempt of an interrupt test (the ini's `timeout`)."""
+
+
 def repeat_count() -> int:
     return max(1, int(os.environ.get(REPEAT_ENV, "1")))
 
@@ -148,7 +152,12 @@ def interrupt_cases(phases: tuple[str, ...]) -> list[Any]:
         cases = [(sig, phase) for phase in phases for sig in signals]
     else:
         cases = [(signals[i % 2], phase) for i, phase in enumerate(phases)]
-    return [pytest.param(sig, phase, id=f"{sig.name}-{phase}") for sig, phase in cases]
+    # pytest-timeout's limit holds per attempt: 20 attempts of a `stack up` that waits 30 s
+    # for its workers overran one 300 s limit, and its stop SIGTERMed the attempt under way
+    timeout = pytest.mark.timeout(PER_ATTEMPT_TIMEOUT_S * repeat_count())
+    return [
+        pytest.param(sig, phase, id=f"{sig.name}-{phase}", marks=timeout) for sig, phase in cases
+    ]
 
 
 def signal_and_wait(
