@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmchaos.errors import ComponentNotReady, InvalidInput
-from llmchaos.processes import Owner, pid_alive, stop_pids
+from llmchaos.processes import Owner, pid_alive, stop_group, stop_pids
 from llmchaos.signals import deferred
 
 __all__ = [
@@ -101,23 +101,32 @@ def spawn(
     """
     full_env = {**os.environ, **(env or {}), STACK_ENV: stack_id, OWNER_ENV: owner.to_marker()}
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log, deferred():
-        try:
-            process = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=full_env,
-                start_new_session=True,
-            )
-        except FileNotFoundError as exc:
-            raise InvalidInput(f"cannot start {argv[0]!r}: not found") from exc
-        if process.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
-                process.stdin.write((stdin_text or "").encode())
-            process.stdin.close()
-        return process
+    process: subprocess.Popen[bytes] | None = None
+    try:
+        with log_path.open("ab") as log, deferred():
+            try:
+                process = subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=full_env,
+                    start_new_session=True,
+                )
+            except FileNotFoundError as exc:
+                raise InvalidInput(f"cannot start {argv[0]!r}: not found") from exc
+            if process.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    process.stdin.write((stdin_text or "").encode())
+                process.stdin.close()
+    except BaseException:
+        # a signal held while it started is raised as `deferred` ends: the caller never gets
+        # the process, and the teardown's sweep can miss it (redis-server overwrites its
+        # environment, marks included, before it moves into its folder)
+        if process is not None:
+            stop_group(process, grace_s=2.0)
+        raise
+    return process
 
 
 STACK_ID_PATTERN = re.compile(r"\d{8}-\d{6}-[0-9a-f]{4}")
