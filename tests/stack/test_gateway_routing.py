@@ -379,3 +379,22 @@ async def test_a_worker_that_passes_checks_but_times_out_requests_stays_ejected(
         statuses += [(await gw.chat())[0] for _ in range(6)]
     assert statuses == [200] * 12  # the one that timed out was retried on gpu-1
     assert slow.cancelled == 1, "one request went to the slow worker, then none"
+
+
+@pytest.mark.asyncio
+async def test_gray_ejections_stop_at_half_of_the_pool(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    """Both workers answer 500 while their checks pass (the whole pool sick, or slow under a
+    surge): the first is ejected, the second is kept (max_ejection_ratio 0.5, Envoy's
+    max_ejection_percent), so the gateway still tries a worker instead of emptying the pool."""
+    a, b = await upstreams("gpu-0"), await upstreams("gpu-1")
+    settings = _settings(redis_server, token_db, [a, b], eject_s=30.0)
+    async with running_gateway(settings) as gw:
+        await _healthy(gw, gpu=2)
+        a.behaviour = b.behaviour = "fail"
+        statuses = [(await gw.chat())[0] for _ in range(4)]
+        assert await gw.healthy() == {"gpu": 1, "cpu": 0}
+        a.behaviour = b.behaviour = "ok"
+        assert (await gw.chat())[0] == 200
+    assert statuses == [500] * 4

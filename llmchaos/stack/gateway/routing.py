@@ -19,7 +19,8 @@ Rules (also in the gateway's README section):
   worker answers its checks but not its requests (a slow or lossy link, a gray failure), and
   readmitting it on the next check would send it requests to time out again and again. So
   does a worker outrun by a hedge that another worker answered within `hedge_after_s`
-  (proxy.py).
+  (proxy.py). Such gray ejections stop at `max_ejection_ratio` (half) of a mode's workers
+  out at once, dead ones included: when the whole pool is slow they would empty it.
   Without `passive_ejection` (a known-bad variant) nothing is ejected.
 - capacity: a worker can take a request while outstanding < max_num_seqs * (1 + ratio), ratio
   = `worker_queue_allowance_ratio` for gpu workers, `cpu_queue_allowance_ratio` (0) for cpu
@@ -133,6 +134,7 @@ class WorkerPool:
         self._health_timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s or None)
         self._timeouts_to_fail = max(1, settings.health_timeouts_to_fail)
         self._passive_ejection = settings.passive_ejection
+        self._max_ejection_ratio = settings.max_ejection_ratio
         self._in_turn = settings.round_robin
         self._rotation = 0
 
@@ -216,6 +218,9 @@ class WorkerPool:
         if answered:
             if now < worker.ejected_until and worker.bad_answers:
                 return  # sent before its ejection: the same outlier, not a new ejection
+            if not self._can_spare(worker, now):
+                log.warning("worker %s kept despite %s: too few healthy peers", worker.name, reason)
+                return
             last_s = worker.ejected_until - worker.ejected_at
             if now > worker.ejected_until + last_s:
                 worker.bad_answers = 0  # clean as long as its last ejection: forgiven
@@ -225,6 +230,18 @@ class WorkerPool:
             log.warning("worker %s ejected for %.1f s: %s", worker.name, eject_s, reason)
         worker.ejected_at = now
         worker.ejected_until = now + eject_s
+
+    def _can_spare(self, worker: Worker, now: float) -> bool:
+        """Whether `worker` may be ejected for a gray failure: at most `max_ejection_ratio` of
+        its mode's workers out at once (Envoy's max_ejection_percent). When the whole pool is
+        slow (a surge of long prompts), its outliers are relative: ejecting them one after
+        the other left the rest, then the CPU fallback, to collapse (seen: 94% errors). A
+        worker without peers is always ejectable: its mode's fallback is all there is."""
+        peers = self._gpu if worker.mode == "gpu" else self._cpu
+        if len(peers) < 2:
+            return True
+        out_after = 1 + sum(1 for w in peers if w is not worker and not w.healthy(now))
+        return out_after <= self._max_ejection_ratio * len(peers)
 
     def cpu_fallback_full(self) -> bool:
         """No healthy gpu worker, and every healthy cpu worker at capacity (at least one)."""
