@@ -285,6 +285,10 @@ class GatewaySettings:
     2013; Envoy's and gRPC's hedging policies). It bounds what a slow worker (a degraded link,
     a throttled CPU: gray failures its health checks pass) costs the tail. Above the P99 of a
     healthy worker's first answer under load (0.5-1 s here). 0: off. Only with `failover`."""
+    hedge_max_prompt_tokens: int = 2048
+    """Longer prompts are never hedged: their prefill is the costliest work there is and
+    slow by nature, and twins of them doubled the KV-cache pressure of a long-prompt surge
+    (kv_cache_surge, not recovered with them hedged)."""
     hedge_budget_ratio: float = 0.1
     """At most this share of the requests is hedged (a token bucket refilled by each request,
     as gRPC's retry throttling), so a pool that is slow everywhere is not sent twice the load."""

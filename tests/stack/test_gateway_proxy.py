@@ -202,6 +202,7 @@ async def test_client_disconnect_cancels_the_upstream_request(
 
 
 HEDGED = "llmchaos_gateway_hedged_requests_total"
+RETRIES = "llmchaos_gateway_upstream_retries_total"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -288,3 +289,29 @@ def _both_healthy(gw: GatewayClient) -> Callable[[], Awaitable[bool]]:
         return await gw.healthy() == {"gpu": 2, "cpu": 0}
 
     return healthy
+
+
+@pytest.mark.asyncio
+async def test_a_long_prompt_is_not_hedged(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    """A prompt over hedge_max_prompt_tokens waits for its worker (then the retry on a
+    first-byte timeout): its prefill is slow by nature, and a twin would double it."""
+    slow, fast = await upstreams("gpu-0"), await upstreams("gpu-1")
+    slow.hold = asyncio.Event()
+    settings = gateway_settings(
+        redis_server,
+        token_db,
+        [slow.upstream(), fast.upstream()],
+        hedge_after_s=0.1,
+        hedge_max_prompt_tokens=5,
+        first_byte_timeout_s=1.0,
+    )
+    long_prompt = {**CHAT_BODY, "messages": [{"role": "user", "content": "word " * 6}]}
+    async with running_gateway(settings) as gw:
+        await wait_for(_both_healthy(gw), 3.0, "both workers healthy")
+        for _ in range(2):  # one of the two lands on the slow worker
+            assert (await gw.chat(body=long_prompt))[0] == 200
+        assert await gw.metric(HEDGED, winner="hedge") == 0
+        assert await gw.metric(RETRIES, reason="first_byte_timeout") == 1
+        slow.hold.set()

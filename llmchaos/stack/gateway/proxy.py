@@ -6,10 +6,10 @@ client before one attempt has fetched. A failure until then (connect error or ti
 headers within `first_byte_timeout_s`, a 5xx, a body cut short) ejects the worker and is
 retried on another one, up to `max_retries` times; without `failover` it is not retried and
 goes to the client as it is. An attempt that has fetched nothing after `hedge_after_s` gets a
-twin on another worker (within `hedge_budget_ratio` of the requests): the first to fetch
-answers the client, the other is cancelled. Once a stream has started, a worker failure cuts
-the client's stream (the client sees a truncated response, as behind any real proxy) and is
-counted.
+twin on another worker (within `hedge_budget_ratio` of the requests, prompts up to
+`hedge_max_prompt_tokens`): the first to fetch answers the client, the other is cancelled.
+Once a stream has started, a worker failure cuts the client's stream (the client sees a
+truncated response, as behind any real proxy) and is counted.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class Proxy:
         self._max_retries = max(0, settings.max_retries) if settings.failover else 0
         self._hedge_after_s = max(0.0, settings.hedge_after_s) if settings.failover else 0.0
         self._hedge_budget_ratio = max(0.0, settings.hedge_budget_ratio)
+        self._hedge_max_prompt_tokens = settings.hedge_max_prompt_tokens
         self._hedge_tokens = _HEDGE_BURST
         self._first_byte_timeout_s = settings.first_byte_timeout_s
         self._gateway_name = settings.name
@@ -99,10 +100,17 @@ class Proxy:
         )
 
     async def forward(
-        self, request: web.Request, path: str, body: bytes, stream: bool, tenant: str
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        stream: bool,
+        tenant: str,
+        prompt_tokens: int = 0,
     ) -> tuple[web.StreamResponse, str]:
         """Proxy one request to `path` of a worker; returns the response sent and the serving
-        mode ("none" if no worker answered).
+        mode ("none" if no worker answered). A prompt over `hedge_max_prompt_tokens` is never
+        hedged.
 
         Raises ApiError 503 `no_healthy_upstream` when no worker can be tried, 502/504 when
         every attempt failed without an answer.
@@ -119,7 +127,7 @@ class Proxy:
         running: dict[asyncio.Task[_Fetched], tuple[Worker, float]] = {}
         failure: _AttemptFailed | None = None
         retries_left = self._max_retries
-        hedge_due = self._hedge_after_s > 0
+        hedge_due = self._hedge_after_s > 0 and prompt_tokens <= self._hedge_max_prompt_tokens
         hedge: Worker | None = None
 
         def launch() -> bool:

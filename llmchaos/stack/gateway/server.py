@@ -173,7 +173,7 @@ class Gateway:
             body = self.degradation.admit(request, generation, body)
             assert self._proxy is not None
             response, mode = await self._proxy.forward(
-                request, path, body, generation.stream, tenant
+                request, path, body, generation.stream, tenant, sum(generation.prompt_tokens)
             )
             status = response.status
             return response
