@@ -1,0 +1,138 @@
+"""Distributed load over real TCP between network namespace "hosts" on this machine: the master
+in the root namespace, one `llmchaos load-worker` per namespace, one killed mid-run (root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from llmchaos.load import LoadConfig, LoadRun
+from llmchaos.load.api import master_address
+from llmchaos.load.traffic import TrafficSpec
+from tests.load.netns_hosts import namespace_hosts
+
+REPO = Path(__file__).resolve().parents[2]
+LLMCHAOS = str(Path(sys.executable).with_name("llmchaos"))
+QPS = 60.0
+DURATION_S = 10.0
+KILL_AT_S = 3.0
+
+
+def _closes(record: dict) -> bool:
+    answered = record["ok"] + sum(record["failed"].values())
+    rest = record["dropped"] + record["lost_worker"] + record["unanswered"]
+    return record["scheduled"] == answered + rest
+
+
+def test_three_namespace_hosts_one_killed_mid_run_accounting_closes(
+    needs_netns, fake_server, tmp_path
+):
+    """Three workers on three namespace hosts share a constant 60 QPS for 10 s (20/s each);
+    the worker of one is SIGKILLed at 3 s. The run ends on its own, every second and the run
+    close with the dead worker's unsent arrivals as their own class (lost_worker, also in the
+    live /seconds), that class is its share of the rest of the schedule, and the two
+    survivors' requests are all answered."""
+    with namespace_hosts(3) as hosts:
+        server = fake_server("--delay-ms", "2", host=hosts.address)
+        config = LoadConfig(
+            url=server.url,
+            qps=QPS,
+            duration_s=DURATION_S,
+            profile="constant",
+            workers=0,
+            remote_workers=3,
+            master_bind_host=hosts.address,
+            join_timeout_s=60.0,
+            drain_s=2.0,
+            run_dir=str(tmp_path / "run"),
+            traffic=TrafficSpec(stream_share=0.0),  # plain answers: fewer packets per request
+        )
+        workers: list[subprocess.Popen[bytes]] = []
+        with LoadRun.start(config) as run:
+            try:
+                for index in range(3):
+                    log = (tmp_path / f"worker{index}.log").open("wb")
+                    argv = [LLMCHAOS, "load-worker", "--master", master_address(run.config)]
+                    workers.append(
+                        subprocess.Popen(
+                            hosts.exec_argv(index, argv), cwd=REPO, stdout=log, stderr=log
+                        )
+                    )
+                start = run.wait_started(timeout_s=90.0)
+                time.sleep(max(0.0, start + KILL_AT_S - time.time()))
+                killed = workers[1]
+                os.kill(killed.pid, signal.SIGKILL)
+                killed_at_s = time.time() - start
+                live = _seconds_once_lost(run, start, until_ts=start + DURATION_S)
+                summary = run.wait(timeout_s=60.0)
+                # the survivors leave when their master quits
+                for worker in workers:
+                    worker.wait(timeout=30.0)
+            finally:
+                for worker in workers:
+                    if worker.poll() is None:
+                        worker.kill()
+                        worker.wait(timeout=10.0)
+
+    assert summary.accounting_closed, summary
+    assert summary.scheduled == QPS * DURATION_S  # the whole plan, whatever happened
+    assert summary.scheduled == (
+        summary.ok
+        + sum(summary.failed.values())
+        + summary.dropped
+        + summary.in_flight
+        + summary.lost_worker
+    )
+    shares = {w["share"]: w for w in summary.workers}
+    assert sorted(shares) == [0, 1, 2]
+    lost = [w for w in summary.workers if w["state"] == "lost"]
+    assert len(lost) == 1, summary.workers
+    dead = lost[0]
+    assert dead["lost_reason"] in ("missing", "quit"), dead
+    assert dead["lost_worker"] == summary.lost_worker
+    per_worker_qps = QPS / 3
+    # its share of the schedule after its last report: at most one report interval (1 s)
+    # and the kill's own delay before the kill, none after
+    remaining = per_worker_qps * (DURATION_S - killed_at_s)
+    assert remaining - 2 <= dead["lost_worker"] <= remaining + per_worker_qps * 1.5, (
+        dead,
+        killed_at_s,
+    )
+    for share in summary.workers:
+        assert share["scheduled"] == per_worker_qps * DURATION_S, share
+        counted = share["ok"] + share["failed"] + share["dropped"] + share["unanswered"]
+        assert share["scheduled"] == counted + share["lost_worker"], share
+        if share is not dead:
+            assert share["state"] == "done" and share["lost_worker"] == 0, share
+            assert share["ok"] == share["scheduled"], share  # every request answered
+
+    lines = [json.loads(x) for x in run.timeline_path.read_text().splitlines()]
+    assert [x["t"] for x in lines] == list(range(int(DURATION_S)))
+    assert all(_closes(x) for x in lines), lines
+    assert sum(x["lost_worker"] for x in lines) == summary.lost_worker
+    # after its death was noticed (a few s of heartbeats) every second holds its full share
+    assert lines[-1]["lost_worker"] == per_worker_qps, lines[-1]
+    assert all(_closes(x) for x in live), live
+    assert any(x["lost_worker"] > 0 for x in live), live
+    assert not hosts_left(hosts.namespaces)
+
+
+def _seconds_once_lost(run: LoadRun, start: float, until_ts: float) -> list[dict]:
+    """The live records once one of them counts lost arrivals (Locust notices a dead worker
+    after ~4 s without heartbeats), or at `until_ts`."""
+    while True:
+        live = run.seconds(since_ts=start)
+        if any(x["lost_worker"] for x in live) or time.time() >= until_ts:
+            return live
+        time.sleep(0.25)
+
+
+def hosts_left(names: list[str]) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [name for name in names if name in listed]
+
