@@ -142,9 +142,9 @@ class Controller:
             self.config.total_workers,
             self.config.join_timeout_s,
         )
-        if joined:
-            self.env.parsed_options.expect_workers = joined
-        else:
+        # 0 too: Locust's loop must end, else it waits in the main greenlet whatever quits
+        self.env.parsed_options.expect_workers = joined
+        if not joined:
             self.on_test_start()
 
     def _on_worker_connect(self, client_id: str, **_: Any) -> None:
@@ -231,11 +231,11 @@ class Controller:
                 self.env.runner.send_message(CONTROL_MESSAGE, {"stop": True}, share.worker)
         self._count_lost()
 
-    def _count_lost(self) -> None:
-        """Replay the lost shares up to where the run's schedule is now."""
+    def _count_lost(self, until_s: float | None = None) -> None:
+        """Replay the lost shares up to `until_s`, by default where the run's schedule is."""
         agg = self.aggregate
         assert agg is not None
-        until_s = agg.ran_s()
+        until_s = agg.ran_s() if until_s is None else until_s
         for share in self.shares:
             lost = share.lost
             if lost is None or lost.finished:
@@ -347,7 +347,7 @@ class Controller:
             ended = all(s.state in ("done", "lost") for s in self.shares)
             if ended or agg.now_s() >= deadline_s:
                 break
-        self._finish()
+        self._finish(external=False)
         gevent.sleep(_TICK_S)  # let a reader of /status see "done"
         if self.server is not None:
             self.server.stop(timeout=1)
@@ -355,12 +355,13 @@ class Controller:
             self.env.web_ui.stop()
         self.env.runner.quit()
 
-    def _finish(self) -> None:
-        """Write the rest of the timeline and the summary (once)."""
+    def _finish(self, *, external: bool) -> None:
+        """Write the rest of the timeline and the summary (once). `external`: Locust quits
+        (SIGTERM) before the run's own end."""
         agg = self.aggregate
         if agg is None or self.state == "done":
             return
-        if self.state == "running":  # stopped from outside before its end (SIGTERM)
+        if external and self.state == "running":  # stopped before its end
             agg.mark_stopped(agg.reported_until_s())
         for share in self.shares:
             # no final report (deadline, SIGTERM): what its reports do not hold, up to the
@@ -368,7 +369,9 @@ class Controller:
             if share.state in ("running", "ending"):
                 reason = share.lost_reason or "no final report"
                 self._lose(share, reason, agg.scheduled_total(share.key))
-        self._count_lost()
+        # not stopped: the whole plan (a run whose every worker is lost ends early, and the
+        # rest of its schedule is theirs); stopped: up to the stop
+        self._count_lost(self.duration_s if agg.stopped_at_s is None else None)
         self._write_timeline(agg.final_lines(flush_all=True))
         write_json_atomic(self.summary_path, self.summary())
         self.state = "done"
@@ -377,7 +380,7 @@ class Controller:
         """Locust quits (SIGTERM, or the end of the run): a run that did not finish still
         leaves its timeline and a summary whose rates cover the time it ran. `quit` comes
         after the runner stopped its users, so a local run's last report is in."""
-        self._finish()
+        self._finish(external=True)
 
     def _write_timeline(self, lines: list[dict[str, Any]]) -> None:
         if not lines:

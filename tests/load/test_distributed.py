@@ -136,3 +136,73 @@ def hosts_left(names: list[str]) -> list[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [name for name in names if name in listed]
 
+
+def test_a_worker_that_never_joins_is_counted_and_a_late_one_gets_no_share(fake_server, tmp_path):
+    """One local process and one remote worker expected, the remote one not there when the
+    join timeout ends: the run starts with the local one, the missing share is lost_worker
+    from time zero, exactly its half of the plan. A worker that joins after time zero gets no
+    share, sends nothing, and leaves when the master quits."""
+    server = fake_server("--delay-ms", "2")
+    config = LoadConfig(
+        url=server.url,
+        qps=20.0,
+        duration_s=3.0,
+        profile="constant",
+        workers=1,
+        remote_workers=1,
+        join_timeout_s=2.0,
+        drain_s=2.0,
+        run_dir=str(tmp_path / "run"),
+        traffic=TrafficSpec(stream_share=0.0),
+    )
+    with LoadRun.start(config) as run:
+        run.wait_started(timeout_s=60.0)
+        late = subprocess.Popen(
+            [LLMCHAOS, "load-worker", "--master", master_address(run.config)],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            summary = run.wait(timeout_s=60.0)
+            late.wait(timeout=30.0)
+        finally:
+            if late.poll() is None:
+                late.kill()
+                late.wait(timeout=10.0)
+    assert summary.accounting_closed and summary.scheduled == 60
+    assert summary.ok == 30 and summary.lost_worker == 30, summary
+    states = [(w["share"], w["state"], w["lost_reason"]) for w in summary.workers]
+    assert states == [(0, "done", None), (1, "lost", "never joined")], summary.workers
+
+
+def test_no_worker_at_all_ends_the_run_with_the_whole_plan_lost(fake_server, tmp_path):
+    server = fake_server()
+    config = LoadConfig(
+        url=server.url,
+        qps=10.0,
+        duration_s=5.0,
+        profile="constant",
+        workers=0,
+        remote_workers=2,
+        join_timeout_s=1.0,
+        run_dir=str(tmp_path / "run"),
+    )
+    with LoadRun.start(config) as run:
+        summary = run.wait(timeout_s=60.0)
+    assert summary.accounting_closed
+    assert summary.scheduled == summary.lost_worker == 50 and summary.ok == 0
+    assert [w["lost_reason"] for w in summary.workers] == ["never joined"] * 2
+
+
+def test_load_worker_without_a_master_gives_up_with_a_message(capsys):
+    from llmchaos.cli import main
+    from llmchaos.stack.procs import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    assert main(["load-worker", "--master", master, "--connect-timeout-s", "1"]) != 0
+    assert time.monotonic() - started < 10
+    assert f"nothing listens on {master}" in capsys.readouterr().err
+    assert main(["load-worker", "--master", "nohost"]) == 2
+    assert "--master: expected HOST:PORT" in capsys.readouterr().err
