@@ -83,8 +83,8 @@ class Controller:
         self.aggregate: Aggregate | None = None
         self.state = "waiting"
         self.stop_requested = gevent.event.Event()
-        self.share_count = config.total_workers
-        """Shares the schedule is split into: one per expected worker."""
+        self.share_count = 1
+        """Shares the schedule is split into: one per expected worker (install)."""
         self.shares: list[Share] = []
         self.by_worker: dict[str, Share] = {}
         self.controls: list[tuple[float, dict[str, Any]]] = []
@@ -97,8 +97,11 @@ class Controller:
         self.env.events.test_start.add_listener(self.on_test_start)
         self.env.events.quit.add_listener(self._on_quit)
         if isinstance(runner, MasterRunner):
-            # Locust's --processes sets it to the local processes only; remote ones count too
-            self.env.parsed_options.expect_workers = self.config.total_workers
+            # Locust's --processes sets it to the local processes only, remote ones count too;
+            # a master started by hand (Kubernetes: --master --expect-workers N) may say more
+            options = self.env.parsed_options
+            self.share_count = max(self.config.total_workers, int(options.expect_workers or 1))
+            options.expect_workers = self.share_count
             self.env.events.worker_connect.add_listener(self._on_worker_connect)
             gevent.spawn(self._bound_join)
         self.server = WSGIServer(
@@ -130,7 +133,7 @@ class Controller:
         deadline = time.monotonic() + self.config.join_timeout_s
         runner = self.env.runner
         while time.monotonic() < deadline:
-            if self.aggregate is not None or len(runner.clients.ready) >= self.config.total_workers:
+            if self.aggregate is not None or len(runner.clients.ready) >= self.share_count:
                 return
             gevent.sleep(0.2)
         if self.aggregate is not None:
@@ -139,7 +142,7 @@ class Controller:
         logger.warning(
             "llmchaos load: %d of %d workers joined within %.0f s; starting without the others",
             joined,
-            self.config.total_workers,
+            self.share_count,
             self.config.join_timeout_s,
         )
         # 0 too: Locust's loop must end, else it waits in the main greenlet whatever quits
