@@ -96,10 +96,14 @@ class CpuMeter:
                     pass
             self._stop.wait(0.25)
 
+    def total(self) -> float:
+        """CPU seconds so far (as of the last sample, at most 0.25 s old)."""
+        return sum(self.cpu.values())
+
     def stop(self) -> float:
         self._stop.set()
         self._thread.join()
-        return sum(self.cpu.values())
+        return self.total()
 
 
 def start_nginx(tmp: Path, host: str = "127.0.0.1") -> tuple[subprocess.Popen[bytes], str]:

@@ -329,8 +329,11 @@ class LoadRun:
     def metrics_text(self) -> str:
         return self._call("GET", "/metrics")
 
-    def wait_started(self, timeout_s: float = 30.0) -> float:
-        """Block until time zero is set; returns its epoch. Raises LoadError on timeout."""
+    def wait_started(self, timeout_s: float | None = None) -> float:
+        """Block until time zero is set; returns its epoch. Raises LoadError on timeout
+        (default: the join timeout for the workers + 30 s)."""
+        if timeout_s is None:
+            timeout_s = self.config.join_timeout_s + 30.0
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             start = self.status().get("start_ts")

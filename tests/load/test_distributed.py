@@ -69,6 +69,7 @@ def test_three_namespace_hosts_one_killed_mid_run_accounting_closes(
                 os.kill(killed.pid, signal.SIGKILL)
                 killed_at_s = time.time() - start
                 live = _seconds_once_lost(run, start, until_ts=start + DURATION_S)
+                metrics = run.metrics_text()
                 summary = run.wait(timeout_s=60.0)
                 # the survivors leave when their master quits
                 for worker in workers:
@@ -119,6 +120,8 @@ def test_three_namespace_hosts_one_killed_mid_run_accounting_closes(
     assert lines[-1]["lost_worker"] == per_worker_qps, lines[-1]
     assert all(_closes(x) for x in live), live
     assert any(x["lost_worker"] > 0 for x in live), live
+    lost_metric = [x for x in metrics.splitlines() if x.startswith("llmchaos_load_lost_worker_")]
+    assert lost_metric and float(lost_metric[0].split()[-1]) > 0, metrics
     assert not hosts_left(hosts.namespaces)
 
 
