@@ -178,10 +178,10 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="llmchaos-bench-") as name,
         namespace_hosts(max(args.hosts)) as hosts,
     ):
-        tmp = Path(name)
-        nginx, url = start_nginx(tmp, host=hosts.address)
+        nginx, url = start_nginx(Path(name), host=hosts.address)
         try:
             for round_ in range(1, args.rounds + 1):
+                tmp = Path(name) / f"round{round_}"  # each run its own folder
                 print(f"round {round_}: single process ...", file=sys.stderr)
                 rows.append((round_, "1 local process", run_single(url, args, tmp)))
                 print(f"round {round_}: single process in a namespace ...", file=sys.stderr)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.api import master_address
@@ -21,6 +22,18 @@ LLMCHAOS = str(Path(sys.executable).with_name("llmchaos"))
 QPS = 60.0
 DURATION_S = 10.0
 KILL_AT_S = 3.0
+
+
+def _config(url: str, tmp_path: Path, **settings: Any) -> LoadConfig:
+    """A constant schedule (exact counts per share) of plain answers (fewer packets)."""
+    return LoadConfig(
+        url=url,
+        profile="constant",
+        drain_s=2.0,
+        run_dir=str(tmp_path / "run"),
+        traffic=TrafficSpec(stream_share=0.0),
+        **settings,
+    )
 
 
 def _closes(record: dict) -> bool:
@@ -39,18 +52,15 @@ def test_three_namespace_hosts_one_killed_mid_run_accounting_closes(
     survivors' requests are all answered."""
     with namespace_hosts(3) as hosts:
         server = fake_server("--delay-ms", "2", host=hosts.address)
-        config = LoadConfig(
-            url=server.url,
+        config = _config(
+            server.url,
+            tmp_path,
             qps=QPS,
             duration_s=DURATION_S,
-            profile="constant",
             workers=0,
             remote_workers=3,
             master_bind_host=hosts.address,
             join_timeout_s=60.0,
-            drain_s=2.0,
-            run_dir=str(tmp_path / "run"),
-            traffic=TrafficSpec(stream_share=0.0),  # plain answers: fewer packets per request
         )
         workers: list[subprocess.Popen[bytes]] = []
         with LoadRun.start(config) as run:
@@ -146,17 +156,8 @@ def test_a_worker_that_never_joins_is_counted_and_a_late_one_gets_no_share(fake_
     from time zero, exactly its half of the plan. A worker that joins after time zero gets no
     share, sends nothing, and leaves when the master quits."""
     server = fake_server("--delay-ms", "2")
-    config = LoadConfig(
-        url=server.url,
-        qps=20.0,
-        duration_s=3.0,
-        profile="constant",
-        workers=1,
-        remote_workers=1,
-        join_timeout_s=2.0,
-        drain_s=2.0,
-        run_dir=str(tmp_path / "run"),
-        traffic=TrafficSpec(stream_share=0.0),
+    config = _config(
+        server.url, tmp_path, qps=20.0, duration_s=3.0, remote_workers=1, join_timeout_s=2.0
     )
     with LoadRun.start(config) as run:
         run.wait_started(timeout_s=60.0)
@@ -181,15 +182,14 @@ def test_a_worker_that_never_joins_is_counted_and_a_late_one_gets_no_share(fake_
 
 def test_no_worker_at_all_ends_the_run_with_the_whole_plan_lost(fake_server, tmp_path):
     server = fake_server()
-    config = LoadConfig(
-        url=server.url,
+    config = _config(
+        server.url,
+        tmp_path,
         qps=10.0,
         duration_s=5.0,
-        profile="constant",
         workers=0,
         remote_workers=2,
         join_timeout_s=1.0,
-        run_dir=str(tmp_path / "run"),
     )
     with LoadRun.start(config) as run:
         summary = run.wait(timeout_s=60.0)
