@@ -154,11 +154,6 @@ class Aggregate:
         """Requests in flight at each worker's last report (a lost worker's: never answered)."""
         return sum(w["in_flight"] for w in self._workers.values())
 
-    @property
-    def final_workers(self) -> int:
-        """Workers that sent their final report (schedule over, drained)."""
-        return sum(1 for w in self._workers.values() if w["final"])
-
     def now_s(self) -> float:
         return time.time() - self.start_epoch_s
 

@@ -248,7 +248,7 @@ class Controller:
             agg.add_lost(share.key, counts, None if done else lost.position_s)
 
     def _check_workers(self) -> None:
-        """Lose the shares whose worker Locust says is missing (no heartbeat for ~3 s), that
+        """Lose the shares whose worker Locust says is missing (no heartbeat for ~4 s), that
         stopped reporting, or that quit or were stopped before their end QUIT_GRACE_S ago (no
         longer in Locust's workers, or an `abandoned` report): if the whole load is being
         stopped (SIGTERM to its processes), the master ends within that grace, and those
