@@ -218,6 +218,14 @@ def main() -> None:
             f"  | {whole:13.0f}  {whole / single_whole:8.3f}x"
             f"  {'' if master is None else f'{master:.1f}'}"
         )
+    print("median over the rounds of each load's ratio to its round's single process:")
+    singles = {round_: statistics.mean(r["per_cpu"]) for round_, name, r in rows if "local" in name}
+    by_load: dict[str, list[float]] = {}
+    for round_, name, r in rows:
+        by_load.setdefault(name, []).append(statistics.mean(r["per_cpu"]) / singles[round_])
+    for name, ratios in by_load.items():
+        print(f"  {name:18s} {statistics.median(ratios):.3f}x  (rounds: ", end="")
+        print(" ".join(f"{x:.3f}" for x in ratios) + ")")
     print("goal: per-worker requests/CPU-s within 10% of the single process (ratio >= 0.9)")
 
 
