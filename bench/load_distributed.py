@@ -216,7 +216,7 @@ def main() -> None:
             f"({100 * s.achieved_qps / s.target_qps:6.2f}%)  {s.lost_worker:5d}  "
             f"{s.accounting_closed!s:6s}  {each:>22s} ({mean:5.0f})  {mean / single:14.3f}x"
             f"  | {whole:13.0f}  {whole / single_whole:8.3f}x"
-            f"  {'' if master is None else f'{master:.1f}'}"
+            f"  {'-' if master is None else f'{master:.1f}'}"
         )
     print("median over the rounds of each load's ratio to its round's single process:")
     singles = {round_: statistics.mean(r["per_cpu"]) for round_, name, r in rows if "local" in name}
