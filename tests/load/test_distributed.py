@@ -209,3 +209,22 @@ def test_load_worker_without_a_master_gives_up_with_a_message(capsys):
     assert f"nothing listens on {master}" in capsys.readouterr().err
     assert main(["load-worker", "--master", "nohost"]) == 2
     assert "--master: expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_stopped_run_counts_a_lost_share_up_to_the_stop_only(fake_server, tmp_path):
+    """A 60 s plan stopped after ~2 s: the share of the worker that never joined is counted
+    until the stop (its 10/s), not to the planned end (600)."""
+    server = fake_server("--delay-ms", "2")
+    config = _config(
+        server.url, tmp_path, qps=20.0, duration_s=60.0, remote_workers=1, join_timeout_s=1.0
+    )
+    with LoadRun.start(config) as run:
+        start = run.wait_started(timeout_s=60.0)
+        time.sleep(max(0.0, start + 2.0 - time.time()))
+        summary = run.stop(timeout_s=60.0)
+    assert summary.accounting_closed and summary.stopped_early
+    lost = summary.workers[1]
+    assert lost["lost_reason"] == "never joined"
+    assert lost["lost_worker"] == summary.lost_worker
+    assert abs(summary.lost_worker - 10 * summary.ran_s) <= 2, summary
+    assert abs(summary.workers[0]["ok"] - summary.lost_worker) <= 2, summary.workers
