@@ -60,7 +60,7 @@ http {{
     client_body_buffer_size 64k;
     keepalive_requests 1000000;
     server {{
-        listen 127.0.0.1:{port} backlog=8192;
+        listen {host}:{port} backlog=8192;
         location /v1/chat/completions {{
             default_type application/json;
             add_header X-Serving-Mode gpu always;
@@ -96,22 +96,27 @@ class CpuMeter:
                     pass
             self._stop.wait(0.25)
 
+    def total(self) -> float:
+        """CPU seconds so far (as of the last sample, at most 0.25 s old)."""
+        return sum(self.cpu.values())
+
     def stop(self) -> float:
         self._stop.set()
         self._thread.join()
-        return sum(self.cpu.values())
+        return self.total()
 
 
-def start_nginx(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_nginx(tmp: Path, host: str = "127.0.0.1") -> tuple[subprocess.Popen[bytes], str]:
+    """nginx answering the fixed completion on `host` (an address of this machine)."""
     port = free_port()
     conf = tmp / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(tmp=tmp, port=port, answer=ANSWER))
+    conf.write_text(NGINX_CONF.format(tmp=tmp, host=host, port=port, answer=ANSWER))
     proc = subprocess.Popen(["nginx", "-p", str(tmp), "-c", str(conf)], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"http://127.0.0.1:{port}"
+            socket.create_connection((host, port), timeout=0.2).close()
+            return proc, f"http://{host}:{port}"
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError(f"nginx failed: {proc.stderr.read().decode()}") from None

@@ -79,10 +79,20 @@ class Aggregate:
         self.seconds: dict[int, SecondStats] = {}
         self.ok_slots: Counter[int] = Counter()
         self._workers: dict[str, dict[str, Any]] = {}
+        self._counts: dict[str, Counter[str]] = {}
+        """Per worker (or lost share): scheduled, dropped, ok, failed, lost_worker."""
+        self._lost_horizons: dict[str, int] = {}
+        """Lost shares still being replayed: the second their counts are complete before."""
         self._written_upto = 0  # seconds below this are already in the timeline file
 
     def add_report(self, worker_id: str, report: dict[str, Any]) -> None:
         merge_report(self.seconds, self.ok_slots, report)
+        counts = self._counts.setdefault(worker_id, Counter())
+        for data in report["seconds"].values():
+            counts["scheduled"] += data["scheduled"]
+            counts["dropped"] += data["dropped"]
+            counts["ok"] += data["ok"]
+            counts["failed"] += sum(data["failed"].values())
         self._workers[worker_id] = {
             "in_flight": report["in_flight"],
             "complete_before_s": report["complete_before_s"],
@@ -90,16 +100,59 @@ class Aggregate:
             "position_s": report.get("position_s"),
             "seen": time.monotonic(),
             "at_s": self.now_s(),
+            "lost": False,
+            "scheduled_total": report.get("scheduled_total", 0),
         }
+
+    def scheduled_total(self, worker_id: str) -> int:
+        """Arrivals of its share that the worker's reports hold (0 before its first)."""
+        worker = self._workers.get(worker_id)
+        return 0 if worker is None else int(worker["scheduled_total"])
+
+    def silent_s(self, worker_id: str) -> float:
+        """Seconds since the worker's last report (since time zero if it sent none)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return self.now_s()
+        return time.monotonic() - worker["seen"]
+
+    def mark_lost(self, worker_id: str) -> None:
+        """The worker is lost: its reports so far stay (its requests in flight then remain
+        unanswered); it no longer holds back finality or the reported end of the run."""
+        if worker_id in self._workers:
+            self._workers[worker_id]["lost"] = True
+
+    def add_lost(self, key: str, counts: Counter[int], position_s: float | None) -> None:
+        """Count the arrivals of a lost share (`counts`: scheduled second -> arrivals) as
+        scheduled and lost_worker. `position_s`: the replay counted everything before it
+        (None: the share's schedule is over)."""
+        totals = self._counts.setdefault(key, Counter())
+        for sec, n in counts.items():
+            stats = self.seconds.get(sec)
+            if stats is None:
+                stats = self.seconds[sec] = SecondStats()
+            stats.scheduled += n
+            stats.lost_worker += n
+            totals["scheduled"] += n
+            totals["lost_worker"] += n
+        if position_s is None:
+            self._lost_horizons.pop(key, None)
+        else:
+            self._lost_horizons[key] = int(position_s)
+
+    def worker_counts(self, key: str) -> dict[str, int]:
+        """scheduled, dropped, ok, failed, unanswered and lost_worker of one worker or share;
+        they close: scheduled = dropped + ok + failed + unanswered + lost_worker."""
+        c = self._counts.get(key, Counter())
+        names = ("scheduled", "dropped", "ok", "failed", "lost_worker")
+        out = {name: c[name] for name in names}
+        out["unanswered"] = c["scheduled"] - c["dropped"] - c["ok"] - c["failed"] - c["lost_worker"]
+        return out
 
     @property
     def in_flight(self) -> int:
+        """Requests in flight at each worker's last report (a lost worker's: never answered)."""
         return sum(w["in_flight"] for w in self._workers.values())
-
-    @property
-    def final_workers(self) -> int:
-        """Workers that sent their final report (schedule over, drained)."""
-        return sum(1 for w in self._workers.values() if w["final"])
 
     def now_s(self) -> float:
         return time.time() - self.start_epoch_s
@@ -116,7 +169,7 @@ class Aggregate:
         positions = [
             w["position_s"]
             for w in self._workers.values()
-            if w["position_s"] is not None and not w["final"]
+            if w["position_s"] is not None and not w["final"] and not w["lost"]
         ]
         return min([self.now_s(), *positions])
 
@@ -154,7 +207,8 @@ class Aggregate:
             "ok": m.ok,
             "failed": {c: m.failed.get(c, 0) for c in FAILURE_CLASSES},
             "dropped": m.dropped,
-            "in_flight": m.scheduled - m.dropped - done,
+            "lost_worker": m.lost_worker,
+            "in_flight": m.unanswered,
             "achieved_qps": round(done / span_s, 2),
             "ok_qps": round(m.ok / span_s, 2),
             "goodput_qps": round(m.good / span_s, 2) if self.goodput else None,
@@ -194,7 +248,7 @@ class Aggregate:
         reported_s = min(w["at_s"] for w in self._workers.values())
         for sec, stats in self.seconds.items():
             if from_s <= sec < to_s:
-                unanswered = stats.scheduled - stats.dropped - stats.done
+                unanswered = stats.unanswered
                 if unanswered > 0:
                     out.add(max(0.0, (reported_s - (sec + 1)) * 1000.0), unanswered)
         return out
@@ -223,8 +277,10 @@ class Aggregate:
             "ok": m.ok,
             "failed": failed,
             "dropped": m.dropped,
+            "lost_worker": m.lost_worker,
             "in_flight": in_flight,
-            "accounting_closed": m.scheduled == m.ok + sum(failed.values()) + m.dropped + in_flight,
+            "accounting_closed": m.scheduled
+            == m.ok + sum(failed.values()) + m.dropped + in_flight + m.lost_worker,
             "duration_s": self.duration_s,
             "ran_s": round(ran_s, 3),
             "stopped_early": self.stopped_at_s is not None and self.stopped_at_s < self.duration_s,
@@ -248,23 +304,26 @@ class Aggregate:
         """Seconds below this are final: no live worker can still change them (and those
         already written to the timeline are final whatever happened to their workers)."""
         now = time.monotonic()
-        live = [w for w in self._workers.values() if now - w["seen"] < STALE_WORKER_S]
-        if not live:
+        live = [
+            w for w in self._workers.values() if now - w["seen"] < STALE_WORKER_S and not w["lost"]
+        ]
+        if not live and not self._lost_horizons:
             return self._written_upto
         # A worker with nothing open and nothing left to schedule reports None.
         horizons = [w["complete_before_s"] for w in live if w["complete_before_s"] is not None]
+        horizons += self._lost_horizons.values()
         upto = min(horizons) if horizons else max(self.seconds, default=-1) + 1
         return max(upto, self._written_upto)
 
     def line(self, sec: int, stats: SecondStats) -> dict[str, Any]:
         """The record of scheduled second `sec`: one timeline line, one item of /seconds.
 
-        `unanswered` (scheduled - dropped - answered, as of the last reports) closes the
-        accounting of the line; in a final line it is normally 0, else requests of a worker
-        that died or did not drain.
+        `unanswered` (scheduled - dropped - lost_worker - answered, as of the last reports)
+        closes the accounting of the line; in a final line it is normally 0, else requests of a
+        worker that died with them in flight or did not drain.
         """
         line = {"t": sec, "ts": round(self.start_epoch_s + sec, 3), **stats.to_json()}
-        line["unanswered"] = stats.scheduled - stats.dropped - stats.done
+        line["unanswered"] = stats.unanswered
         line["latency_ms"] = quantiles(stats.hist["latency_ms"])
         for name in ("ttft_ms", "itl_ms", "tpot_ms"):
             line[name] = quantiles(stats.hist[name])

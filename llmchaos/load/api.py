@@ -43,7 +43,17 @@ from llmchaos.load.wire import CONFIG_ARGUMENT, LIVE_FILE, split_url
 from llmchaos.processes import find_marked, start_ticks, stop_group
 from llmchaos.signals import deferred, held
 
-__all__ = ["LoadError", "LoadRun", "check_config", "find_load_processes", "locust_command"]
+__all__ = [
+    "LoadError",
+    "LoadRun",
+    "check_config",
+    "find_load_processes",
+    "locust_command",
+    "master_address",
+    "resolve_master_port",
+    "run_worker",
+    "worker_command",
+]
 
 LOCUSTFILE = str(Path(__file__).with_name("locustfile.py"))
 _POLL_S = 0.1
@@ -89,15 +99,43 @@ def find_load_processes() -> dict[int, str]:
     return find_marked(LOAD_ENV)
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
+def master_address(config: LoadConfig) -> str:
+    """HOST:PORT a worker connects to (`llmchaos load-worker --master`); the port must be
+    resolved (LoadRun.start picks a free one when it is 0)."""
+    host = config.master_bind_host
+    return f"{'127.0.0.1' if host in ('0.0.0.0', '*') else host}:{config.master_port}"
+
+
+def resolve_master_port(config: LoadConfig) -> LoadConfig:
+    """The config with a free master port picked on its bind address when it is 0 and the run
+    has a master; a fixed one lets workers on other hosts be started before the run."""
+    if not config.distributed or config.master_port:
+        return config
+    host = "0.0.0.0" if config.master_bind_host == "*" else config.master_bind_host
+    try:
+        return replace(config, master_port=_free_port(host))
+    except OSError as exc:
+        raise InvalidInput(
+            f"--master-bind-host: cannot listen on {config.master_bind_host!r} ({exc}); give "
+            "an address of this machine, or 0.0.0.0"
+        ) from None
+
+
 def locust_command(config: LoadConfig) -> list[str]:
-    """The Locust command line of a run (also what to adapt for Kubernetes masters)."""
-    users = str(config.workers)
+    """The Locust command line of a run (also what to adapt for Kubernetes masters).
+
+    Distributed (`config.distributed`): with local processes, Locust's `--processes N` (the
+    parent is the master; the Controller raises its expected workers to the local plus the
+    remote ones); with remote workers only, `--master --expect-workers N`. Each worker runs
+    `locust -f <this locustfile> --worker --master-host HOST --master-port PORT`, which is what
+    `llmchaos load-worker --master HOST:PORT` starts."""
+    users = str(config.total_workers)
     cmd = [
         sys.executable,
         "-m",
@@ -118,17 +156,75 @@ def locust_command(config: LoadConfig) -> list[str]:
         "0",
         "--only-summary",
     ]
-    if config.workers > 1:
-        # a free port of our own: Locust's default 5557 makes two loads on one machine (two
-        # runs, a run and a benchmark) collide, and the second master dies at bind
-        port = str(_free_port())
-        cmd += ["--processes", users, "--master-bind-host", "127.0.0.1"]
-        cmd += ["--master-bind-port", port, "--master-host", "127.0.0.1", "--master-port", port]
+    if config.distributed:
+        # a port of our own (resolve_master_port): Locust's default 5557 makes two loads on
+        # one machine (two runs, a run and a benchmark) collide, and the second master dies
+        config = resolve_master_port(config)
+        host, port = master_address(config).rsplit(":", 1)
+        if config.workers:
+            cmd += ["--processes", str(config.workers), "--master-host", host]
+            cmd += ["--master-port", port]
+        else:
+            cmd += ["--master", "--expect-workers", str(config.remote_workers)]
+        cmd += ["--master-bind-host", config.master_bind_host, "--master-bind-port", port]
     if config.web_ui_port is None:
         cmd += ["--headless"]
     else:
         cmd += ["--autostart", "--web-host", "127.0.0.1", "--web-port", str(config.web_ui_port)]
     return cmd
+
+
+def worker_command(master: str) -> list[str]:
+    """Locust's own command line of a worker of the master at HOST:PORT (`llmchaos
+    load-worker` runs it); it gets the config, its share and time zero from the master."""
+    host, port = _split_master(master)
+    return [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        LOCUSTFILE,
+        "--worker",
+        "--master-host",
+        host,
+        "--master-port",
+        str(port),
+        "--loglevel",
+        "WARNING",
+    ]
+
+
+def _split_master(master: str) -> tuple[str, int]:
+    host, sep, port = master.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInput(f"--master: expected HOST:PORT, got {master!r}")
+    return host, int(port)
+
+
+def run_worker(master: str, *, connect_timeout_s: float = 60.0) -> int:
+    """Become a Locust worker of the master at HOST:PORT (this process is replaced by Locust,
+    so a signal to it reaches the worker itself). Waits until the master listens, at most
+    `connect_timeout_s`; raises InvalidInput for a malformed address, LoadError when nothing
+    listens. The worker ends when its master quits, or ~10 s after its master is gone
+    (process.MASTER_GONE_S); one that joins after time zero gets no share and waits idle for
+    the master's end."""
+    host, port = _split_master(master)
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise LoadError(
+                    f"--master: nothing listens on {master} after {connect_timeout_s:.0f} s "
+                    f"({exc}); start `llmchaos load --remote-workers N` first"
+                ) from None
+            time.sleep(0.5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, worker_command(master))
+    return 0  # not reached: execv replaces the process
 
 
 def _wait_live(process: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> str:
@@ -162,7 +258,7 @@ class LoadRun:
         check_config(config)
         run_dir = Path(config.run_dir or default_run_dir())
         run_dir.mkdir(parents=True, exist_ok=True)
-        config = replace(config, run_dir=str(run_dir))
+        config = replace(resolve_master_port(config), run_dir=str(run_dir))
         (run_dir / "config.json").write_text(config.to_json())
         (run_dir / LIVE_FILE).unlink(missing_ok=True)
         # The marker lets a cleanup find this load again after its owner died.
@@ -233,8 +329,11 @@ class LoadRun:
     def metrics_text(self) -> str:
         return self._call("GET", "/metrics")
 
-    def wait_started(self, timeout_s: float = 30.0) -> float:
-        """Block until time zero is set; returns its epoch. Raises LoadError on timeout."""
+    def wait_started(self, timeout_s: float | None = None) -> float:
+        """Block until time zero is set; returns its epoch. Raises LoadError on timeout
+        (default: the join timeout for the workers + 30 s)."""
+        if timeout_s is None:
+            timeout_s = self.config.join_timeout_s + 30.0
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             start = self.status().get("start_ts")
@@ -266,7 +365,9 @@ class LoadRun:
         if timeout_s is None:
             start = self._start_or_none()
             remaining_s = (
-                self._duration_s() if start is None else start + self._duration_s() - time.time()
+                self.config.join_timeout_s + self._duration_s()
+                if start is None
+                else start + self._duration_s() - time.time()
             )
             timeout_s = (
                 max(0.0, remaining_s)

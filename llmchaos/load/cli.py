@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput
-from llmchaos.load.api import LoadRun
+from llmchaos.load.api import LoadRun, master_address, run_worker
 from llmchaos.load.capacity import run_capacity, write_chart
 from llmchaos.load.compare import parse_endpoint, render_table, run_comparison, write_outputs
 from llmchaos.load.config import LoadConfig
@@ -83,6 +83,25 @@ _LOAD: list[tuple[str, str, Any, str]] = [
     ("--profile", "profile", str, "constant | poisson | bursty | stepped | PATH.json"),
     ("--summary-json", "summary_json", str, "write the summary here"),
     ("--timeline", "timeline", str, "write the per-second JSON-lines timeline here"),
+    (
+        "--remote-workers",
+        "remote_workers",
+        int,
+        "workers expected from other hosts (llmchaos load-worker --master HOST:PORT)",
+    ),
+    (
+        "--master-bind-host",
+        "master_bind_host",
+        str,
+        "address the master listens on for workers (one remote hosts reach, or 0.0.0.0)",
+    ),
+    ("--master-port", "master_port", int, "port of the master for workers (0: a free one)"),
+    (
+        "--join-timeout-s",
+        "join_timeout_s",
+        float,
+        "wait this long for every worker before time zero; a missing one's share is lost_worker",
+    ),
 ]
 _CAPACITY: list[tuple[str, str, Any, str]] = [
     ("--start-qps", "step_start_qps", float, "first step, QPS"),
@@ -163,6 +182,13 @@ def _load(args: argparse.Namespace) -> int:
     print(
         f"llmchaos load: live endpoint {run.live_url} (run folder {run.run_dir})", file=sys.stderr
     )
+    if run.config.remote_workers:
+        print(
+            f"llmchaos load: waiting up to {run.config.join_timeout_s:.0f} s for "
+            f"{run.config.remote_workers} remote workers: llmchaos load-worker --master "
+            f"{master_address(run.config)}",
+            file=sys.stderr,
+        )
     try:
         summary = run.wait()
     except KeyboardInterrupt:
@@ -196,13 +222,35 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_worker(args: argparse.Namespace) -> int:
+    return run_worker(args.master, connect_timeout_s=args.connect_timeout_s)
+
+
 def register(subparsers: Any) -> None:
-    """Add the `load` and `capacity` subcommands."""
+    """Add the `load`, `load-worker`, `capacity` and `compare` subcommands."""
     load = subparsers.add_parser("load", help="open-loop LLM load against a URL")
     load.add_argument("--url", required=True, help="base URL of the target, http://host:port")
     _add(load, _LOAD + _COMMON + _TRAFFIC)
     _add_shaping(load)
     load.set_defaults(func=_load)
+
+    worker = subparsers.add_parser(
+        "load-worker",
+        help="a Locust worker of a `llmchaos load --remote-workers N` run on another host",
+    )
+    worker.add_argument(
+        "--master",
+        required=True,
+        metavar="HOST:PORT",
+        help="the run's master (`llmchaos load` prints it; its --master-bind-host/--master-port)",
+    )
+    worker.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=60.0,
+        help="give up when the master does not listen within this long (default: 60)",
+    )
+    worker.set_defaults(func=_load_worker)
 
     capacity = subparsers.add_parser(
         "capacity", help="stepped load until the knee; sustainable QPS"

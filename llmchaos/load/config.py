@@ -37,8 +37,24 @@ class LoadConfig:
     """Schedule length [--duration]. None: 60 s, or the whole profile for stepped/files (which it
     cuts short when given)."""
     workers: int = 1
-    """Locust processes sending load [--workers]. 1: a local runner; N > 1: a master and N
-    worker processes (Locust's --processes), each following 1/N of the rate."""
+    """Locust processes sending load on this machine [--workers]. 1 (and no remote workers): a
+    local runner; N > 1: a master and N worker processes (Locust's --processes). Every worker,
+    local or remote, follows 1/(workers + remote_workers) of the rate. 0 only with remote
+    workers: the master sends nothing itself."""
+    remote_workers: int = 0
+    """Workers expected from elsewhere (`llmchaos load-worker --master HOST:PORT` on other
+    hosts) besides the local ones [--remote-workers]. The master waits for all of them up to
+    `join_timeout_s`; the share of one that has not joined by then, or is lost mid-run, is
+    counted as `lost_worker` (see process.py)."""
+    master_bind_host: str = "127.0.0.1"
+    """Address the master listens on for its workers [--master-bind-host]; remote workers need
+    one they can reach (an interface address, or 0.0.0.0)."""
+    master_port: int = 0
+    """Port of the master for its workers [--master-port]; 0 picks a free one (printed, and in
+    the run's config.json and /status)."""
+    join_timeout_s: float = 30.0
+    """How long the master waits for every expected worker before time zero [--join-timeout-s];
+    then it starts with those that joined."""
     profile: str = "poisson"
     """constant | poisson | bursty | stepped, or the path of a JSON profile file [--profile]:
     {"stages": [{"duration_s": 30, "qps": 100, "arrival": "poisson"}, ...], "bursts": {...}}."""
@@ -111,6 +127,16 @@ class LoadConfig:
     gone, so a `chaos run` killed with SIGKILL (no cleanup runs) does not leave load running
     against the target. The process is identified by pid and start time: a reused pid is gone."""
 
+    @property
+    def total_workers(self) -> int:
+        """Workers that share the schedule: the local processes and the remote ones."""
+        return self.workers + self.remote_workers
+
+    @property
+    def distributed(self) -> bool:
+        """Whether a master sends the load through workers (else one local runner)."""
+        return self.total_workers > 1 or self.remote_workers > 0
+
     def resolved_duration_s(self, profile_duration_s: float | None) -> float:
         """The schedule length given the profile's own length (None for rate-only profiles)."""
         if profile_duration_s is None:
@@ -145,6 +171,7 @@ _POSITIVE = {
     "report_interval_s": "report_interval_s",
     "burst_duration_s": "burst_duration_s",
     "burst_windows_per_min": "burst_windows_per_min",
+    "join_timeout_s": "--join-timeout-s",
 }
 
 
@@ -156,8 +183,21 @@ def validate(config: LoadConfig) -> None:
             raise InvalidInput(f"{flag}: expected a number > 0, got {value!r}")
     if config.duration_s is not None and not config.duration_s > 0:
         raise InvalidInput(f"--duration: expected seconds > 0, got {config.duration_s!r}")
-    if not 1 <= config.workers <= 64:
-        raise InvalidInput(f"--workers: expected 1..64 processes, got {config.workers!r}")
+    if not 0 <= config.workers <= 64:
+        raise InvalidInput(f"--workers: expected 0..64 processes, got {config.workers!r}")
+    if not 0 <= config.remote_workers <= 64:
+        raise InvalidInput(
+            f"--remote-workers: expected 0..64 workers, got {config.remote_workers!r}"
+        )
+    if config.workers + config.remote_workers < 1:
+        raise InvalidInput(
+            "--workers: expected >= 1 local process, or --remote-workers >= 1, got "
+            f"{config.workers!r} local and {config.remote_workers!r} remote"
+        )
+    if not 0 <= config.master_port <= 65535:
+        raise InvalidInput(f"--master-port: expected 0..65535, got {config.master_port!r}")
+    if not config.master_bind_host:
+        raise InvalidInput("--master-bind-host: expected an address (or 0.0.0.0), got ''")
     if config.inflight_cap < 1:
         raise InvalidInput(f"--inflight-cap: expected >= 1, got {config.inflight_cap!r}")
     if config.step_increment_qps < 0 or config.step_max_qps < config.step_start_qps:

@@ -17,11 +17,11 @@ process.py serves it with gevent's WSGI server inside the Locust master.
 
 /seconds answers {"start_ts", "now_s", "seconds": [...]}; each item is the record of one
 scheduled second, the same object as a line of the timeline file ("t", "ts", "scheduled",
-"dropped", "ok", "failed" by class, "modes", "tenants", "hist" with the serialized histograms,
-"unanswered", and "latency_ms"/"ttft_ms"/"itl_ms"/"tpot_ms"/"schedule_lag_ms" quantiles), plus
-"final": false
-while a worker can still add to it. "unanswered" = scheduled - dropped - answered at this
-moment. Seconds in which nothing was scheduled have no item.
+"dropped", "lost_worker", "ok", "failed" by class, "modes", "tenants", "hist" with the
+serialized histograms, "unanswered", and "latency_ms"/"ttft_ms"/"itl_ms"/"tpot_ms"/
+"schedule_lag_ms" quantiles), plus "final": false while a worker can still add to it.
+"unanswered" = scheduled - dropped - lost_worker - answered at this moment. Seconds in which
+nothing was scheduled have no item.
 """
 
 from __future__ import annotations
@@ -162,6 +162,12 @@ def prometheus_text(source: LiveSource) -> str:
     )
     metric("dropped_total", "counter", "Sends over the in-flight cap", [("", total["dropped"])])
     metric("in_flight", "gauge", "Requests in flight", [("", total["in_flight"])])
+    metric(
+        "lost_worker_total",
+        "counter",
+        "Arrivals of lost workers' shares that no report holds",
+        [("", total["lost_worker"])],
+    )
     metric(
         "frame_drops_total",
         "counter",

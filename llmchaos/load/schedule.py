@@ -17,6 +17,7 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, replace
+from typing import Any
 
 __all__ = ["ArrivalSchedule", "BurstSpec", "Profile", "Stage"]
 
@@ -163,6 +164,16 @@ class ArrivalSchedule:
         self._stage_index = len(kept) - 1
         self._need = None
         self._base_next = self._advance_base()
+
+    def apply_control(self, control: dict[str, Any], at_s: float) -> None:
+        """Apply a live control message of the master ({"qps"} and/or {"burst": {"duration_s",
+        "factor", "seed"}}) at offset `at_s`: the workers and the master's replay of a lost
+        worker's share (shares.py) change their schedules the same way."""
+        if "qps" in control:
+            self.set_qps(float(control["qps"]), at_s)
+        if "burst" in control:
+            b = control["burst"]
+            self.add_burst(at_s, float(b["duration_s"]), float(b["factor"]), int(b["seed"]))
 
     def add_burst(self, at_s: float, duration_s: float, factor: float, seed: int = 0) -> None:
         """Add one burst window starting at offset `at_s` (waves seeded by `seed`)."""

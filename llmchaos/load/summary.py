@@ -23,9 +23,11 @@ class Summary:
     """By class: 5xx, 429, timeout, connection, bad_body, 4xx."""
     dropped: int
     in_flight: int
-    """Still in flight when the run ended (normally 0: the drain outlasts the timeout)."""
+    """Still in flight when the run ended (normally 0: the drain outlasts the timeout; a lost
+    worker's requests in flight at its last report stay here: never answered)."""
     accounting_closed: bool
-    """scheduled == ok + sum(failed) + dropped + in_flight, checked on the merged counts."""
+    """scheduled == ok + sum(failed) + dropped + in_flight + lost_worker, checked on the merged
+    counts."""
     duration_s: float
     """The planned schedule length."""
     target_qps: float
@@ -55,6 +57,13 @@ class Summary:
     """Actual send minus scheduled send time (part of every latency above)."""
     frame_drop_events: list[list[float]] = dataclasses.field(default_factory=list)
     """[start offset s, length s] of each frame drop, in time order (`frame_drops` of them)."""
+    lost_worker: int = 0
+    """Arrivals of the shares of lost workers (never joined, died, went silent, stopped early)
+    that no report of theirs holds: counted by the master's replay of the share (shares.py),
+    part of `scheduled`. Some may have been sent by a worker that died before reporting them."""
+    workers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Per share of the schedule: "share", "worker" (Locust client id or None), "state" (done |
+    lost), "lost_reason", and its scheduled, dropped, ok, failed, unanswered, lost_worker."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Summary:

@@ -5,7 +5,11 @@ request due at t=12.3 s that waited out a 3 s stall lands in second 12 with 3 s 
 workers send deltas of their records every report interval; the master adds them up. Everything
 here is plain Python (no gevent), so the analysis can reuse it on a timeline file.
 
-Outcome classes: "ok" and the failure classes in FAILURE_CLASSES. Latency histograms hold every
+Outcome classes: "ok" and the failure classes in FAILURE_CLASSES; besides them, arrivals are
+"dropped" (over the in-flight cap, never sent) or "lost_worker": the master's count of the
+arrivals of a worker's share that no report of that worker holds (it never joined, or died or
+went silent mid-run; process.py). They are in "scheduled" too, so a second's accounting closes:
+scheduled = dropped + answered + unanswered + lost_worker. Latency histograms hold every
 answered request (ok or failed; a timeout at its elapsed time) from its scheduled send time.
 """
 
@@ -34,6 +38,7 @@ class SecondStats:
         "failed",
         "good",
         "hist",
+        "lost_worker",
         "modes",
         "ok",
         "output_tokens",
@@ -45,6 +50,8 @@ class SecondStats:
     def __init__(self) -> None:
         self.scheduled = 0
         self.dropped = 0
+        self.lost_worker = 0
+        """Arrivals of a lost worker's share that it never reported (counted by the master)."""
         self.ok = 0
         self.good = 0
         """Successes that met every SLO of the run's goodput (DistServe's definition)."""
@@ -63,9 +70,15 @@ class SecondStats:
     def done(self) -> int:
         return self.ok + sum(self.failed.values())
 
+    @property
+    def unanswered(self) -> int:
+        """Sent and not answered (yet, or ever: a worker that died with them in flight)."""
+        return self.scheduled - self.dropped - self.lost_worker - self.done
+
     def merge(self, other: SecondStats) -> None:
         self.scheduled += other.scheduled
         self.dropped += other.dropped
+        self.lost_worker += other.lost_worker
         self.ok += other.ok
         self.good += other.good
         self.output_tokens += other.output_tokens
@@ -81,6 +94,7 @@ class SecondStats:
         return {
             "scheduled": self.scheduled,
             "dropped": self.dropped,
+            "lost_worker": self.lost_worker,
             "ok": self.ok,
             "good": self.good,
             "output_tokens": self.output_tokens,
@@ -96,6 +110,7 @@ class SecondStats:
         out = cls()
         out.scheduled = int(data["scheduled"])
         out.dropped = int(data["dropped"])
+        out.lost_worker = int(data.get("lost_worker", 0))
         out.ok = int(data["ok"])
         out.good = int(data.get("good", 0))
         out.output_tokens = int(data.get("output_tokens", 0))
@@ -117,6 +132,8 @@ class Recorder:
         self._ok_slots: Counter[int] = Counter()
         self._open: Counter[int] = Counter()  # scheduled second -> requests not yet finished
         self.in_flight = 0
+        self.scheduled_total = 0
+        """Arrivals taken from the schedule so far: a lost worker's replay skips these."""
 
     def _second(self, sec: int) -> SecondStats:
         stats = self._seconds.get(sec)
@@ -127,6 +144,7 @@ class Recorder:
     def scheduled(self, sec: int) -> None:
         self._second(sec).scheduled += 1
         self._open[sec] += 1
+        self.scheduled_total += 1
 
     def dropped(self, sec: int) -> None:
         self._second(sec).dropped += 1
@@ -196,7 +214,8 @@ class Recorder:
         """The delta since the last report (and reset). `next_due_s`: the schedule position.
 
         `complete_before_s` tells the master which seconds this worker will not touch again;
-        `position_s` how far its schedule has been reported (None: all of it).
+        `position_s` how far its schedule has been reported (None: all of it);
+        `scheduled_total` how many arrivals of its share all its reports hold together.
         """
         horizon = [min(self._open)] if self._open else []
         if next_due_s is not None:
@@ -207,6 +226,7 @@ class Recorder:
             "in_flight": self.in_flight,
             "complete_before_s": min(horizon) if horizon else None,
             "position_s": next_due_s,
+            "scheduled_total": self.scheduled_total,
             "final": final,
         }
         self._seconds = {}

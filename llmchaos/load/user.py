@@ -41,18 +41,19 @@ _YIELD_EVERY = 64
 
 
 class WorkerState:
-    """What this process's user needs from the master: start time, live control."""
+    """What this process's user needs from the master: start time, its share, live control."""
 
     def __init__(self) -> None:
-        self.start_epoch = gevent.event.AsyncResult()
+        self.start = gevent.event.AsyncResult()
+        """The master's start message: {"start_epoch_s", "share": index or None, "shares"}."""
         self.schedule: ArrivalSchedule | None = None
         self.start_mono = 0.0
         self.stop = gevent.event.Event()
         self.claimed = False
 
     def on_start(self, msg: Any, **_: Any) -> None:
-        if not self.start_epoch.ready():  # the master sends it more than once (process.py)
-            self.start_epoch.set(float(msg.data["start_epoch_s"]))
+        if not self.start.ready():  # the master sends it more than once (process.py)
+            self.start.set(msg.data)
 
     def on_control(self, msg: Any, **_: Any) -> None:
         data = msg.data
@@ -60,14 +61,7 @@ class WorkerState:
             self.stop.set()
         if self.schedule is None:
             return
-        at_s = time.monotonic() - self.start_mono
-        if "qps" in data:
-            self.schedule.set_qps(float(data["qps"]), at_s)
-        if "burst" in data:
-            b = data["burst"]
-            self.schedule.add_burst(
-                at_s, float(b["duration_s"]), float(b["factor"]), int(b["seed"])
-            )
+        self.schedule.apply_control(data, time.monotonic() - self.start_mono)
 
 
 WORKER = WorkerState()
@@ -87,27 +81,32 @@ class OpenLoopLLMUser(User):
         if WORKER.claimed:  # only one schedule per process; extra users have nothing to do
             raise StopUser()
         WORKER.claimed = True
-        options = self.environment.parsed_options
-        config = config_from_options(options)
-        workers = max(1, int(getattr(options, "expect_workers", 1) or 1))
-        index = max(0, getattr(self.environment.runner, "worker_index", 0)) % workers
-        start_epoch = WORKER.start_epoch.get(timeout=START_MESSAGE_WAIT_S)
-        WORKER.start_mono = time.monotonic() + (start_epoch - time.time())
+        config = config_from_options(self.environment.parsed_options)
+        start = WORKER.start.get(timeout=START_MESSAGE_WAIT_S)
+        index = start["share"]
+        if index is None:  # joined after time zero, or one worker more than expected
+            logger.warning("llmchaos load: no share of the schedule for this worker")
+            raise StopUser()
+        WORKER.start_mono = time.monotonic() + (float(start["start_epoch_s"]) - time.time())
         profile = build_profile(config)
         WORKER.schedule = ArrivalSchedule(
-            profile, share=1.0 / workers, index=index, seed=config.seed
+            profile, share=1.0 / int(start["shares"]), index=index, seed=config.seed
         )
         tenants = tenants_of(config.tokens_file, config.api_key_env)
         traffic = TrafficModel(config.traffic, tenants, config.seed * 7919 + index)
         stats_events = self.environment.events if config.locust_stats else None
         sender = _Sender(config, traffic, stats_events)
         reporter = gevent.spawn(self._report_loop, sender.recorder, config.report_interval_s)
+        completed = False
         try:
             self._run(WORKER.schedule, sender, profile.duration_s)
             self._drain(sender.recorder, config.drain_s)
+            completed = True
         finally:
             reporter.kill()
-            self._send_report(sender.recorder, final=True)
+            # a user stopped by Locust before its share's end (a rebalance, a quit) says so:
+            # the master counts the rest of its share as lost_worker, never silently gone
+            self._send_report(sender.recorder, final=completed, abandoned=not completed)
             sender.client.close()
         raise StopUser()
 
@@ -153,8 +152,9 @@ class OpenLoopLLMUser(User):
             gevent.sleep(interval_s)
             self._send_report(recorder, final=False)
 
-    def _send_report(self, recorder: Recorder, final: bool) -> None:
+    def _send_report(self, recorder: Recorder, final: bool, abandoned: bool = False) -> None:
         report = recorder.take_report(self.next_due_s, final=final)
+        report["abandoned"] = abandoned
         self.environment.runner.send_message("llmchaos_report", report)
 
 

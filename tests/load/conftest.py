@@ -15,9 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeServer:
-    def __init__(self, process: subprocess.Popen[bytes], port: int):
+    def __init__(self, process: subprocess.Popen[bytes], host: str, port: int):
         self.process = process
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
 
     def kill(self) -> None:
         self.process.kill()
@@ -28,18 +28,22 @@ class FakeServer:
 def fake_server(tmp_path: Path) -> Iterator[Callable[..., FakeServer]]:
     started: list[FakeServer] = []
 
-    def start(*args: str, module: str = "tests.load.fake_server") -> FakeServer:
+    def start(
+        *args: str, module: str = "tests.load.fake_server", host: str = "127.0.0.1"
+    ) -> FakeServer:
+        """The server on `host` (fake_server only; the scripted one listens on 127.0.0.1)."""
         port_file = tmp_path / f"port{len(started)}"
-        process = subprocess.Popen(
-            [sys.executable, "-m", module, "--port-file", str(port_file), *args], cwd=REPO
-        )
+        argv = [sys.executable, "-m", module, "--port-file", str(port_file), *args]
+        if host != "127.0.0.1":
+            argv += ["--host", host]
+        process = subprocess.Popen(argv, cwd=REPO)
         deadline = time.monotonic() + 15
         while not port_file.exists():
             assert process.poll() is None and time.monotonic() < deadline, (
                 "fake server did not start"
             )
             time.sleep(0.05)
-        server = FakeServer(process, int(port_file.read_text()))
+        server = FakeServer(process, host, int(port_file.read_text()))
         started.append(server)
         return server
 

@@ -1,6 +1,7 @@
-"""A small OpenAI-compatible test target on 127.0.0.1, run as its own process.
+"""A small OpenAI-compatible test target on 127.0.0.1 (or --host), run as its own process.
 
-    python -m tests.load.fake_server --port-file F [--delay-ms 5] [--stall-at-s 4 --stall-s 3]
+    python -m tests.load.fake_server --port-file F [--host 127.0.0.1] [--delay-ms 5]
+                                     [--stall-at-s 4 --stall-s 3]
                                      [--serial-ms 2] [--stall-from-first] [--key K]
                                      [--fail-every 503:10 ...] [--completion-tokens 1]
 
@@ -121,6 +122,7 @@ def build_app(
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port-file", required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--delay-ms", type=float, default=5.0)
     parser.add_argument("--stall-at-s", type=float, default=None)
     parser.add_argument("--stall-s", type=float, default=3.0)
@@ -146,7 +148,7 @@ async def main() -> None:
     )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
+    site = web.TCPSite(runner, args.host, 0, backlog=4096)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     tmp = Path(args.port_file + ".tmp")

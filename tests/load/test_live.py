@@ -75,9 +75,25 @@ def test_windows_follow_set_qps_and_bursts(fake_server, tmp_path):
         (["--qps", "-5"], "--qps: expected a number > 0"),
         (["--profile", "zigzag"], "--profile: unknown profile 'zigzag'"),
         (["--tokens", "/nonexistent/tokens.json"], "--tokens: cannot read"),
-        (["--workers", "0"], "--workers: expected 1..64"),
+        (["--workers", "0"], "--workers: expected >= 1 local process, or --remote-workers"),
+        (["--workers", "65"], "--workers: expected 0..64"),
+        (["--remote-workers", "-1"], "--remote-workers: expected 0..64"),
+        (["--master-port", "70000"], "--master-port: expected 0..65535"),
+        (["--join-timeout-s", "0"], "--join-timeout-s: expected a number > 0"),
+        (["--remote-workers", "1", "--master-bind-host", "192.0.2.7"], "cannot listen on"),
     ],
-    ids=["qps-zero", "qps-negative", "profile", "tokens", "workers"],
+    ids=[
+        "qps-zero",
+        "qps-negative",
+        "profile",
+        "tokens",
+        "workers",
+        "workers-max",
+        "remote",
+        "port",
+        "join",
+        "bind",
+    ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(fake_server, capsys, args, message):
     server = fake_server()
@@ -239,10 +255,11 @@ from types import SimpleNamespace
 from llmchaos.load import process
 process.START_DELAY_S, process.START_RESEND_S = 0.0, 0.6
 sent = []
-runner = SimpleNamespace(send_message=lambda kind, data: sent.append((kind, data)))
-process.Controller._announce_start(SimpleNamespace(env=SimpleNamespace(runner=runner)), 42.0)
+runner = SimpleNamespace(send_message=lambda *message: sent.append(message))
+message = {"start_epoch_s": 42.0, "share": 1, "shares": 2}
+process.Controller._announce(SimpleNamespace(env=SimpleNamespace(runner=runner)), "w1", message)
 assert len(sent) >= 3, sent
-assert all(data == {"start_epoch_s": 42.0} for _, data in sent), sent
+assert all(m == ("llmchaos_start", message, "w1") for m in sent), sent
 """
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
