@@ -161,8 +161,17 @@ def test_a_worker_that_never_joins_is_counted_and_a_late_one_gets_no_share(fake_
     )
     with LoadRun.start(config) as run:
         run.wait_started(timeout_s=60.0)
+        # on a busy box it can start after the 3 s run and its master are over: it must not
+        # then wait the default 60 s for a master that is gone
         late = subprocess.Popen(
-            [LLMCHAOS, "load-worker", "--master", master_address(run.config)],
+            [
+                LLMCHAOS,
+                "load-worker",
+                "--master",
+                master_address(run.config),
+                "--connect-timeout-s",
+                "10",
+            ],
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
