@@ -385,11 +385,11 @@ async def test_a_worker_that_passes_checks_but_times_out_requests_stays_ejected(
 async def test_gray_ejections_stop_at_half_of_the_pool(
     redis_server: RedisServer, token_db: Path, upstreams: Upstreams
 ) -> None:
-    """Both workers answer 500 while their checks pass (the whole pool sick, or slow under a
-    surge): the first is ejected, the second is kept (max_ejection_ratio 0.5, Envoy's
-    max_ejection_percent), so the gateway still tries a worker instead of emptying the pool."""
+    """Both workers answer 500 while their checks pass (the whole pool sick): with
+    max_ejection_ratio 0.5 (Envoy's max_ejection_percent) the first is ejected, the second
+    kept, so the gateway still tries a worker instead of emptying the pool."""
     a, b = await upstreams("gpu-0"), await upstreams("gpu-1")
-    settings = _settings(redis_server, token_db, [a, b], eject_s=30.0)
+    settings = _settings(redis_server, token_db, [a, b], eject_s=30.0, max_ejection_ratio=0.5)
     async with running_gateway(settings) as gw:
         await _healthy(gw, gpu=2)
         a.behaviour = b.behaviour = "fail"

@@ -19,8 +19,8 @@ Rules (also in the gateway's README section):
   worker answers its checks but not its requests (a slow or lossy link, a gray failure), and
   readmitting it on the next check would send it requests to time out again and again. So
   does a worker outrun by a hedge that another worker answered within `hedge_after_s`
-  (proxy.py). Such gray ejections stop at `max_ejection_ratio` (half) of a mode's workers
-  out at once, dead ones included: when the whole pool is slow they would empty it.
+  (proxy.py). Such gray ejections stop at `max_ejection_ratio` of a mode's workers out at
+  once, dead ones included (no cap by default: settings.py says why).
   Without `passive_ejection` (a known-bad variant) nothing is ejected.
 - capacity: a worker can take a request while outstanding < max_num_seqs * (1 + ratio), ratio
   = `worker_queue_allowance_ratio` for gpu workers, `cpu_queue_allowance_ratio` (0) for cpu
@@ -233,10 +233,8 @@ class WorkerPool:
 
     def _can_spare(self, worker: Worker, now: float) -> bool:
         """Whether `worker` may be ejected for a gray failure: at most `max_ejection_ratio` of
-        its mode's workers out at once (Envoy's max_ejection_percent). When the whole pool is
-        slow (a surge of long prompts), its outliers are relative: ejecting them one after
-        the other left the rest, then the CPU fallback, to collapse (seen: 94% errors). A
-        worker without peers is always ejectable: its mode's fallback is all there is."""
+        its mode's workers out at once (Envoy's max_ejection_percent). A worker without peers
+        is always ejectable: its mode's fallback is all there is."""
         peers = self._gpu if worker.mode == "gpu" else self._cpu
         if len(peers) < 2:
             return True
