@@ -250,12 +250,22 @@ class ChaosRun:
             )
             self.notes.append(note)
             log.warning("llmchaos: %s", note)
-        workers = s.load_processes
+        # beyond this machine's rate the target's own workers (a cluster's) send it all,
+        # dialling this run's master; it waits for them before time zero
+        cluster = backend.plan_load_workers(s.effective_qps)
+        remote: dict[str, Any] = {}
+        if cluster is not None:
+            remote = {
+                "remote_workers": cluster.replicas,
+                "master_bind_host": "0.0.0.0",
+                "master_port": int(cluster.master_address.rpartition(":")[2]),
+                "join_timeout_s": cluster.join_timeout_s,
+            }
         config = LoadConfig(
             url=backend.gateway_url,
             qps=s.effective_qps,
             duration_s=s.max_duration_s,
-            workers=workers,
+            workers=0 if cluster else s.load_processes,
             profile=s.load_profile,
             tokens_file=backend.tokens_file,
             traffic=s.traffic,
@@ -265,6 +275,7 @@ class ChaosRun:
             goodput_e2e_ms=s.p99_slo_ms,
             run_dir=str(self.run_dir / "load"),
             owner_pid=os.getpid(),
+            **remote,
         )
         log.info(
             "llmchaos: starting the load: %g QPS %s to %s",
@@ -275,20 +286,20 @@ class ChaosRun:
         self.load = self.load_factory(config)
         self.current_qps = config.qps
         self.write_state("running")
-        self.load_start_ts = self.load.wait_started()
+        if cluster is not None:
+            self.start_cluster_load(config.qps)
+        self.load_start_ts = self.load.wait_started()  # the join timeout + 30 s at most
         return self.load
 
     def start_cluster_load(self, qps: float) -> dict[str, Any] | None:
         """Start the target's own load workers for `qps` when it has them (a cluster's Locust
-        worker Deployment), recorded in the ledger first so the run's end or `llmchaos
-        cleanup` removes them; None when this machine sends the whole rate. The control does
-        not call it yet: the workers must join this run's Locust master (issue 12's load
-        beyond one machine) before their requests count."""
+        worker Deployment, dialling the run's master), recorded in the ledger first so the
+        run's end or `llmchaos cleanup` removes them; None when this machine sends the whole
+        rate. `start_load` calls it once the master listens."""
         planned = self._backend().plan_load_workers(qps)
         if planned is None:
             return None
-        name, undo = planned
-        with self.fault("cluster_load", name, undo) as details:
+        with self.fault("cluster_load", planned.name, planned.undo) as details:
             details.update(self._backend().run_load_workers(qps))
         return dict(details)
 

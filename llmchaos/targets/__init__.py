@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_VARIANT",
     "KINDS",
     "CleanupRequest",
+    "LoadWorkersPlan",
     "Replicas",
     "Target",
     "TargetInfo",
@@ -51,6 +52,23 @@ __all__ = [
     "register_kind",
     "target_kind",
 ]
+
+
+@dataclass(frozen=True)
+class LoadWorkersPlan:
+    """Load workers a target runs itself (a cluster's Locust worker Deployment), known
+    before they start: what the run's Locust master must expect and where they dial it."""
+
+    name: str
+    undo: Undo
+    """Removes them (the ledger's entry comes first)."""
+    replicas: int
+    """Workers the master waits for (LoadConfig.remote_workers)."""
+    master_address: str
+    """HOST:PORT the workers dial; the master listens on every address at that port."""
+    join_timeout_s: float
+    """How long the master waits for them before time zero (pods scheduled, images pulled)."""
+
 
 DEFAULT_VARIANT = "hardened"
 """The target as it should be; every other variant is a known-bad one."""
@@ -475,11 +493,10 @@ class Target(ABC):
         until ready) and `total_recovery_time_s`. None when the target cannot tell."""
         return None
 
-    def plan_load_workers(self, qps: float) -> tuple[str, Undo] | None:
+    def plan_load_workers(self, qps: float) -> LoadWorkersPlan | None:
         """The load workers this target runs itself for a rate of `qps` (a cluster's own
-        Locust workers, for rates beyond the runner's machine): their name and the undo that
-        removes them, known before they are started (the ledger's order); None when the run's
-        machine sends the whole rate."""
+        Locust workers, for rates beyond the runner's machine), known before they are started
+        (the ledger's order); None when the run's machine sends the whole rate."""
         return None
 
     def run_load_workers(self, qps: float) -> dict[str, Any]:

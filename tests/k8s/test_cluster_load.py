@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from llmchaos.errors import InvalidInput, StackError
+from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.run import ChaosRun, finish_dead_runs
 from llmchaos.settings import RunSettings
 from llmchaos.targets.kubernetes import KubernetesTarget, worker_deployment
@@ -104,6 +107,7 @@ def _env(deployed: DeployedStack) -> dict[str, str]:
         "LLMCHAOS_K8S_ALLOWED_NAMESPACES": NS,
         "LLMCHAOS_K8S_KUBECONFIG": str(deployed.backend_kubeconfig),
         "LLMCHAOS_K8S_LOAD_WORKERS_MANIFEST": str(MANIFEST),
+        "LLMCHAOS_K8S_LOAD_MASTER_ADDRESS": "127.0.0.1:5557",
         "LLMCHAOS_K8S_REQUEST_TIMEOUT_S": "5",
     }
 
@@ -152,7 +156,70 @@ def test_no_workers_in_the_cluster_when_this_machine_sends_the_rate(
         run.start_target()
         assert run.start_cluster_load(5_000) is None
         assert run.ledger.entries() == []
+        target = run.target
+        addressed = target.settings  # type: ignore[attr-defined]
+        target.settings = replace(addressed, load_master_address=None)  # type: ignore[attr-defined]
+        with pytest.raises(InvalidInput, match="load_master_address: not set; 7,000 QPS"):
+            run.start_cluster_load(7_000)
+        target.settings = addressed  # type: ignore[attr-defined]
+        assert run.ledger.entries() == []
         assert json.loads((run.run_dir / "run.json").read_text())["pid"] == os.getpid()
     finally:
+        run.stop_target()
+        run.close("finished")
+
+
+def test_a_run_beyond_this_machine_loads_through_the_clusters_workers(
+    deployed: DeployedStack, tmp_path: Path
+) -> None:
+    """7,000 QPS, above this machine's 5,000: the run's Locust master listens for 3 workers
+    and sends nothing itself; the worker Deployment is created (in the ledger first) dialling
+    that master, the manifest's in-cluster master replaced. KWOK's pods run nothing, so none
+    joins: after the join timeout the whole plan is lost_worker, counted, not silently gone.
+    The run's end deletes the Deployment."""
+    _remove_the_applied_workers(deployed)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        **_env(deployed),
+        "LLMCHAOS_K8S_LOAD_MASTER_ADDRESS": f"127.0.0.1:{port}",
+        "LLMCHAOS_K8S_READY_TIMEOUT_S": "3",
+        "LLMCHAOS_QPS": "7000",
+    }
+    settings = RunSettings.from_configuration({"runs_root": str(tmp_path / "runs")}, env)
+    run = ChaosRun.open(settings, "cluster_load", "load from the cluster's workers")
+    configs: list[LoadConfig] = []
+
+    def start(config: LoadConfig) -> LoadRun:  # 2 s of it, against no real gateway
+        configs.append(config)
+        return LoadRun.start(replace(config, duration_s=2.0, check_target=False))
+
+    run.load_factory = start  # type: ignore[misc]
+    try:
+        run.start_target()
+        run.start_load()
+        (config,) = configs
+        assert (config.workers, config.remote_workers, config.master_port) == (0, 3, port)
+        made = deployed.apps.read_namespaced_deployment("locust-worker", NS)
+        command = made.spec.template.spec.containers[0].command
+        assert made.spec.replicas == 3
+        assert command[-2:] == ["--master-host=127.0.0.1", f"--master-port={port}"], command
+        assert "--master-host=locust-master" not in command
+        assert '"cluster_load"' in (run.run_dir / "ledger.jsonl").read_text()
+        summary = run.traffic.wait(timeout_s=60.0)
+        assert summary.accounting_closed and summary.ok == 0
+        assert summary.lost_worker == summary.scheduled > 10_000, summary
+        run.undo_faults(by="control")
+        deployed.wait(
+            lambda: (
+                "locust-worker"
+                not in [d.metadata.name for d in deployed.apps.list_namespaced_deployment(NS).items]
+            ),
+            30,
+            "the run's workers deleted",
+        )
+    finally:
+        run.stop_load()
         run.stop_target()
         run.close("finished")

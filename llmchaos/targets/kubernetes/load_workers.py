@@ -14,12 +14,20 @@ import urllib3
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from llmchaos.configuration import plain
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import Undo
+from llmchaos.targets import LoadWorkersPlan
 from llmchaos.targets.kubernetes.cluster import Cluster, http_status
 from llmchaos.targets.kubernetes.settings import MANAGED_BY
 
-__all__ = ["LOAD_WORKER_QPS", "LoadWorkers", "load_workers_for", "worker_deployment"]
+__all__ = [
+    "LOAD_WORKER_QPS",
+    "LoadWorkers",
+    "dialling",
+    "load_workers_for",
+    "worker_deployment",
+]
 
 log = logging.getLogger("llmchaos.targets.kubernetes")
 
@@ -60,23 +68,68 @@ def worker_deployment(manifest: Path) -> dict[str, Any]:
     return workers[0]
 
 
+_MASTER_FLAGS = ("--master-host", "--master-port")
+
+
+def dialling(deployment: Mapping[str, Any], master_address: str) -> dict[str, Any]:
+    """A copy of the worker Deployment whose workers dial `master_address` (HOST:PORT): the
+    manifest's --master-host/--master-port (deploy/70-locust.yaml: the in-cluster master's
+    Service) give way to the run's own master."""
+    host, _, port = master_address.rpartition(":")
+    body: dict[str, Any] = json.loads(json.dumps(dict(deployment)))
+    for container in body["spec"]["template"]["spec"]["containers"]:
+        for key in ("command", "args"):
+            items = container.get(key)
+            if not items or "--worker" not in items:
+                continue
+            kept: list[str] = []
+            skip_value = False
+            for item in items:
+                if skip_value:
+                    skip_value = False
+                elif item in _MASTER_FLAGS:
+                    skip_value = True  # "--master-host HOST": the value goes too
+                elif not item.startswith(tuple(f"{flag}=" for flag in _MASTER_FLAGS)):
+                    kept.append(item)
+            container[key] = [*kept, f"--master-host={host}", f"--master-port={port}"]
+    return body
+
+
 class LoadWorkers(Cluster):
     """The load worker Deployment of a run."""
 
-    def plan_load_workers(self, qps: float) -> tuple[str, Undo] | None:
+    def plan_load_workers(self, qps: float) -> LoadWorkersPlan | None:
         """The workers this target runs for `qps` (see Target.plan_load_workers): the worker
-        Deployment of `load_workers_manifest` when the rate is over `local_max_qps`."""
+        Deployment of `load_workers_manifest` when the rate is over `local_max_qps`, dialling
+        this run's master at `load_master_address`."""
         manifest = self.settings.load_workers_manifest
         if manifest is None or qps <= self.settings.local_max_qps:
             return None
+        master = self.settings.load_master_address
+        if master is None:
+            raise InvalidInput(
+                f"load_master_address: not set; {plain(qps)} QPS is above local_max_qps "
+                f"({plain(self.settings.local_max_qps)}), so the load workers of "
+                f"{manifest} run in the cluster and must dial this run's Locust master: give "
+                "HOST:PORT, this machine as the pods reach it"
+            )
         name = str(worker_deployment(Path(manifest))["metadata"]["name"])
-        return name, Undo("stop_load_workers", {"deployment": name})
+        return LoadWorkersPlan(
+            name=name,
+            undo=Undo("stop_load_workers", {"deployment": name}),
+            replicas=load_workers_for(qps),
+            master_address=master,
+            join_timeout_s=self.settings.ready_timeout_s,
+        )
 
     def run_load_workers(self, qps: float) -> dict[str, Any]:
         manifest = self.settings.load_workers_manifest
         if manifest is None:
             raise InvalidInput("load_workers_manifest: not set; no load workers to start")
-        return self.start_load_workers(worker_deployment(Path(manifest)), qps)
+        deployment = worker_deployment(Path(manifest))
+        if self.settings.load_master_address is not None:
+            deployment = dialling(deployment, self.settings.load_master_address)
+        return self.start_load_workers(deployment, qps)
 
     def start_load_workers(self, deployment: Mapping[str, Any], qps: float) -> dict[str, Any]:
         """Create the Locust worker Deployment `deployment` (deploy/70-locust.yaml's

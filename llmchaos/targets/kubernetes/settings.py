@@ -94,6 +94,12 @@ class KubernetesSettings(TargetSettings):
     local_max_qps: float = 5000.0
     """Highest rate sent from this machine, QPS (two Locust processes held 4,992 of 5,000 QPS
     here: llmchaos/load/README.md); above it the load workers run in the cluster."""
+    load_master_address: str | None = None
+    """HOST:PORT the cluster's load workers dial to reach the run's Locust master: this
+    machine as the pods reach it (a node port, a LoadBalancer, a VPN address). The master
+    listens on every address at that port and waits `ready_timeout_s` for the workers; their
+    Deployment's --master-host/--master-port are replaced by it. Needed when the workers run
+    (a rate above `local_max_qps`)."""
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -148,6 +154,13 @@ def check_settings(settings: KubernetesSettings) -> None:
             f"redis_url: expected redis://host:port/db (or None to exec redis-cli in the "
             f"Redis pod), got {settings.redis_url!r}"
         )
+    master = settings.load_master_address
+    if master is not None:
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise InvalidInput(
+                f"load_master_address: expected HOST:PORT (port 1-65535), got {master!r}"
+            )
     if not settings.redis_cli or not all(isinstance(a, str) and a for a in settings.redis_cli):
         raise InvalidInput(
             f"redis_cli: expected a command, e.g. ('redis-cli',), got {settings.redis_cli!r}"
