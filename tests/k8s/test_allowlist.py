@@ -67,3 +67,18 @@ def test_the_namespace_must_be_listed_verbatim(name: str, listed: str) -> None:
 @pytest.mark.parametrize("trap", ["kube-system\n", "kube-system ", "Kube-System", "kube-system\r"])
 def test_the_known_traps_are_refused(trap: str) -> None:
     assert not _accepted(trap, (trap,))
+
+
+@pytest.mark.parametrize("address", ["runner", "runner:", ":5557", "runner:0", "runner:70000"])
+def test_a_load_master_address_must_be_host_and_port(address: str) -> None:
+    with pytest.raises(InvalidInput, match="load_master_address: expected HOST:PORT"):
+        check_settings(
+            KubernetesSettings(
+                namespace="llm", allowed_namespaces=("llm",), load_master_address=address
+            )
+        )
+    check_settings(
+        KubernetesSettings(
+            namespace="llm", allowed_namespaces=("llm",), load_master_address="10.0.0.5:5557"
+        )
+    )
