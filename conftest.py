@@ -3,6 +3,7 @@ experiment runner of the resilience suites and its Allure reporting, hypothesis 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -158,6 +159,31 @@ def interrupt_cases(phases: tuple[str, ...]) -> list[Any]:
     return [
         pytest.param(sig, phase, id=f"{sig.name}-{phase}", marks=timeout) for sig, phase in cases
     ]
+
+
+@contextlib.contextmanager
+def sigterm_during_popen(popen: str) -> Iterator[None]:
+    """SIGTERM arrives the moment the process that `popen` (a module's `subprocess.Popen`)
+    starts exists, as a Ctrl-C or `kill` can on a busy machine; the handler raises
+    KeyboardInterrupt as a command's does. The block expects it to propagate; the patch ends
+    with the block (a later Popen must not signal the test runner)."""
+    real_popen = subprocess.Popen
+
+    def popen_then_sigterm(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        process = real_popen(*args, **kwargs)
+        signal.raise_signal(signal.SIGTERM)
+        return process
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
+            patch.setattr(popen, popen_then_sigterm)
+            yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def signal_and_wait(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import signal_and_wait
+from conftest import signal_and_wait, sigterm_during_popen
 from llmchaos import processes
 from llmchaos.errors import InvalidInput
 from llmchaos.ledger import FaultLedger
@@ -202,33 +202,16 @@ def test_llmchaos_load_stops_cleanly_on_a_signal(fake_server, tmp_path, sig, bus
     assert not [p for p, d in find_load_processes().items() if d == str(run_dir.resolve())]
 
 
-def test_a_signal_held_while_the_load_process_starts_stops_that_process(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_signal_held_while_the_load_process_starts_stops_that_process(tmp_path: Path) -> None:
     """SIGTERM during Popen is held (signals.deferred) and raised as the step ends: the load
     process exists by then, the caller never gets it, so LoadRun.start must stop it (seen with
     both cores busy: a run interrupted in starting-load left its load for the owner watchdog)."""
-    real_popen = subprocess.Popen
-
-    def popen_then_sigterm(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
-        process = real_popen(*args, **kwargs)  # type: ignore[call-overload]
-        signal.raise_signal(signal.SIGTERM)
-        return process
-
-    def interrupt(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
     run_dir = (tmp_path / "load").resolve()
     config = LoadConfig(
         url="http://127.0.0.1:9", qps=1, duration_s=5.0, run_dir=str(run_dir), check_target=False
     )
-    monkeypatch.setattr("llmchaos.load.api.subprocess.Popen", popen_then_sigterm)
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            LoadRun.start(config)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with sigterm_during_popen("llmchaos.load.api.subprocess.Popen"):
+        LoadRun.start(config)
     left = [pid for pid, d in find_load_processes().items() if d == str(run_dir)]
     for pid in left:  # a failing test does not leave them either (own session: pgid = pid)
         with contextlib.suppress(ProcessLookupError):

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
+from conftest import sigterm_during_popen
 from llmchaos.processes import Owner
 from llmchaos.stack.procs import find_stack_processes, spawn
 
@@ -17,34 +15,19 @@ STACK_ID = "20261204-000000-5a5a"
 
 
 def test_a_signal_held_while_a_stack_process_starts_stops_that_process(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """SIGTERM during Popen is held (signals.deferred) and raised as the start ends: the
     caller never gets the process, so spawn must stop it. Seen: a chaos run interrupted in
     starting-target left its redis-server, which had already overwritten its environment
     (marks included) and not yet moved into its folder, where the teardown's sweep looks."""
-    real_popen = subprocess.Popen
-
-    def popen_then_sigterm(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
-        process = real_popen(*args, **kwargs)  # type: ignore[call-overload]
-        signal.raise_signal(signal.SIGTERM)
-        return process
-
-    def interrupt(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr("llmchaos.stack.procs.subprocess.Popen", popen_then_sigterm)
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            spawn(
-                [sys.executable, "-c", "import time; time.sleep(60)"],
-                stack_id=STACK_ID,
-                owner=Owner.this_process("user"),
-                log_path=tmp_path / "logs" / "sleeper.log",
-            )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with sigterm_during_popen("llmchaos.stack.procs.subprocess.Popen"):
+        spawn(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            stack_id=STACK_ID,
+            owner=Owner.this_process("user"),
+            log_path=tmp_path / "logs" / "sleeper.log",
+        )
     left = find_stack_processes(STACK_ID)
     for pid in left:  # a failing test does not leave it either
         os.kill(pid, signal.SIGKILL)
