@@ -26,6 +26,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -55,6 +56,14 @@ SUITES: dict[str, list[str]] = {
 negative controls; smoke = the catalogue on the default stack only; soak = the soak
 experiments (experiments/soak/: hours; LLMCHAOS_SOAK_STEP_S compresses them) and their
 negative controls, frame drops counted over each whole run."""
+
+_ALLURE_ANALYTICS = re.compile(
+    r'<script async src="https://www\.googletagmanager\.com/[^"]*"></script>\s*'
+    r"<script>[^<]*gtag\([^<]*</script>\s*"
+)
+"""Google Analytics, which Allure 3's report loads unconditionally (no option turns it off):
+a game day's report must not call out, and on a machine without internet its pending lookup
+held up the report's page in headless Chromium."""
 
 ALLURE_CATEGORIES = [
     {
@@ -352,6 +361,8 @@ def _generate_report(root: Path, folder: Path, results: Path) -> Path:
             f"allure generate failed ({done.returncode}): {done.stderr[-1000:]}; the pytest "
             f"results are in {results}"
         )
+    report = index.read_text()
+    index.write_text(_ALLURE_ANALYTICS.sub("", report, count=1))
     allure = index.replace(index.parent / "allure.html")  # index.html: the game day's own page
     latest = root / "latest"
     if latest.is_symlink() or latest.exists():

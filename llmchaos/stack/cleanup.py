@@ -18,6 +18,7 @@ Running it with nothing left behind is a no-op.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 
+_STACK_CGROUP = re.compile(r"[0-9a-f]{4}-")
+"""A stack's cgroup after the prefix: its short id (the stack id's last 4 hex), a dash."""
 _STARTING_GRACE_S = 30.0
 """A namespace younger than this, with no process and no state folder, may belong to a stack
 that is starting right now (under another state root): left alone."""
@@ -180,8 +183,10 @@ def find_stacks(state_root: Path) -> dict[str, StackLeftovers]:
         short = netns.short_id_of(link)
         stack(by_short.get(short, f"?{short}")).links.append(link)
     for path in sorted({str(g.path) for g in cgroups.list_ours()}):
-        short = Path(path).name.removeprefix(cgroups.CGROUP_PREFIX)[:4]
-        stack(by_short.get(short, f"?{short}")).cgroups.append(path)
+        name = Path(path).name.removeprefix(cgroups.CGROUP_PREFIX)
+        if not _STACK_CGROUP.match(name):
+            continue  # another target's (the hosts target's are its own to clean up)
+        stack(by_short.get(name[:4], f"?{name[:4]}")).cgroups.append(path)
     for found in stacks.values():
         if found.state_dir is None:
             continue

@@ -24,6 +24,7 @@ from llmchaos.stack.cleanup import leftovers
 
 BIN = Path(sys.executable).parent
 CHROMIUM = Path("/usr/bin/chromium")
+LOCAL_SCHEMES = ("file:", "data:", "blob:", "about:")
 BROWSER_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -131,12 +132,20 @@ def test_two_game_days_give_a_report_with_both_in_its_trends(tmp_path: Path) -> 
 
 
 def _check_report_in_chromium(front: Path, tmp_path: Path) -> None:
+    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
+
+    calls_out: list[str] = []  # the report must work offline and tell no one it was opened
+
+    def new_page() -> Any:
+        page = browser.new_page()
+        page.on("request", lambda r: r.url.startswith(LOCAL_SCHEMES) or calls_out.append(r.url))
+        return page
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
         try:
-            page = browser.new_page()
+            page = new_page()
             # the game day's own page first: score, recovery against the SLA, the trend
             page.goto(front.as_uri())
             page.get_by_text("Resilience score:").wait_for(timeout=10_000)
@@ -155,15 +164,21 @@ def _check_report_in_chromium(front: Path, tmp_path: Path) -> None:
             _opens_an_image(page, page.get_by_text("recovery-time trend", exact=True).last)
             # the experiment itself, with its recovery chart (a fresh page: the one above
             # came from the game day's page and keeps Allure's route)
-            page = browser.new_page()
+            page = new_page()
             page.goto(index.as_uri())
             for section in ("suites", "test_catalogue.py"):
                 page.get_by_text(section, exact=True).first.click()
             page.get_by_text("gpu_kill on hardened (must pass)").first.click()
             _opens_an_image(page, page.get_by_text("recovery chart (SVG)").first)
             page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        except PlaywrightError as e:
+            # what the page showed, for a failure seen only in CI
+            page.screenshot(path=str(tmp_path / "failed.png"), full_page=True)
+            shown = page.inner_text("body")[:2000]
+            raise AssertionError(f"{e.message} on {page.url}, showing:\n{shown}") from e
         finally:
             browser.close()
+    assert not calls_out, f"the report called out: {calls_out}"
 
 
 def _opens_an_image(page: Any, attachment: Any) -> None:

@@ -4,6 +4,8 @@ at close, and by the cleanup after a kill -9 of the run that owned them."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +23,8 @@ from conftest import REPO
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import FaultLedger, Undo
 from llmchaos.processes import Owner, pid_alive
+from llmchaos.stack import cgroups
+from llmchaos.stack.cleanup import find_stacks
 from llmchaos.stack.procs import free_port
 from llmchaos.targets.hosts import KIND, HostsSettings, HostsTarget, firewall
 from llmchaos.targets.hosts.procs import group_members, listeners
@@ -56,6 +61,7 @@ def assert_nothing_left(state_dir: Path) -> None:
     assert state is not None and state.data["status"] == "stopped"
     assert _live_processes(state_dir) == []
     assert _rules_of(state.target_id) == []
+    assert cgroups.list_ours(f"hosts-{state.target_id}-") == []
 
 
 @pytest.fixture
@@ -163,6 +169,46 @@ def test_a_gateway_crash_kills_master_and_workers(open_target: Opener, needs_ngi
     assert listeners(gateway.port) == again
 
 
+def _busy(url: str, seconds: float) -> int:
+    """Completions sent to `url` one after the other for `seconds`: CPU for the server to
+    want. Returns how many were answered."""
+    body = json.dumps({"model": "llmchaos-7b", "prompt": "x " * 200, "max_tokens": 4}).encode()
+    answered, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        request = urllib.request.Request(f"{url}/v1/completions", body, method="POST")
+        request.add_header("Content-Type", "application/json")
+        with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=10) as answer:
+            answered += answer.status == 200
+    return answered
+
+
+def test_a_throttled_server_is_throttled_by_the_kernel_and_let_go(open_target: Opener) -> None:
+    target = open_target()
+    server = target.topology.server("gpu-0")
+    pid = target.supervisor.pid("gpu-0") if target.supervisor else None
+    assert pid is not None
+    home = Path(f"/proc/{pid}/cgroup").read_text()
+    # a whole CPU for an idle server: the kernel never throttles it (a fault that did nothing)
+    idle = target.throttle_cpu("gpu-0", 100)
+    assert idle["pids"][0] == pid and Path(idle["cgroup"]).name.startswith("llmc-hosts-")
+    verified = target.verify("throttle_cpu", idle)
+    assert verified.in_effect is False and "nr_throttled +0" in verified.evidence, verified
+    # 5% of a CPU while it serves: throttled, slower, still serving
+    throttled = target.throttle_cpu("gpu-0", 5)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        sent = [pool.submit(_busy, server.url, 8.0) for _ in range(8)]
+        verified = target.verify("throttle_cpu", throttled)
+        assert verified.in_effect is True, verified
+        assert sum(s.result() for s in sent) > 0
+    target.unthrottle_cpu("gpu-0")
+    target.unthrottle_cpu("gpu-0")  # idempotent
+    assert Path(f"/proc/{pid}/cgroup").read_text() == home  # back where it was
+    assert cgroups.list_ours(f"hosts-{target.state.target_id}-") == []
+    target.throttle_cpu("gpu-1", 50)  # left in: close() lets it go (checked by the fixture)
+    with pytest.raises(InvalidInput, match=r"oom_kill_worker: .* cannot do it: an OOM kill"):
+        target.oom_kill_worker("gpu-1", 64, 64)
+
+
 def test_the_ledger_undoes_a_partition_and_a_crash(
     open_target: Opener, tmp_path: Path, needs_root: None, needs_nginx: None
 ) -> None:
@@ -187,6 +233,7 @@ from llmchaos.targets.hosts import KIND, HostsSettings
 settings = HostsSettings(file=sys.argv[1], state_root=sys.argv[2])
 target = KIND.open(settings, Owner.this_process("run"))
 target.partition_node("node-a")
+target.throttle_cpu("gpu-0", 50)
 print(target.state.state_dir, flush=True)
 time.sleep(300)
 """
@@ -209,14 +256,20 @@ def test_cleanup_removes_what_a_killed_owner_left(tmp_path: Path, needs_root: No
         assert state is not None
         left = _live_processes(state_dir)
         assert len(left) == 2 and len(_rules_of(state.target_id)) == 2  # what kill -9 leaves
+        (throttled,) = cgroups.list_ours(f"hosts-{state.target_id}-")
+        # the embedded stacks' cleanup leaves it to the hosts target's
+        stacks = find_stacks(tmp_path / "no-stacks").values()
+        assert not any(str(throttled.path) in stack.cgroups for stack in stacks)
         lines = cleanup_dead(root)
         assert any("stopped processes" in line for line in lines), lines
+        assert any("removed cgroup" in line for line in lines), lines
         assert sum("removed rule" in line for line in lines) == 2, lines
         assert_nothing_left(state_dir)
         assert cleanup_dead(root) == []
     finally:
         owner.kill()
         owner.wait()
+        cleanup_dead(root)  # after a failure above: nothing of it left on the machine
 
 
 def test_llmchaos_cleanup_finishes_a_chaos_run_killed_during_a_partition(

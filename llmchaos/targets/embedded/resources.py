@@ -19,17 +19,13 @@ from llmchaos.errors import StackError
 from llmchaos.ledger import Verification
 from llmchaos.processes import pid_alive
 from llmchaos.stack import cgroups
+from llmchaos.targets import cpu_throttle
 
 if TYPE_CHECKING:
     from llmchaos.stack.topology import Topology
 
 __all__ = ["ResourceFaults"]
 
-CPU_PERIOD_US = 100_000
-"""CFS enforcement period (the kernel's default, 100 ms): the quota is a share of it."""
-_THROTTLE_CHECK_S = 5.0
-"""How long the check waits for the throttling counters to rise (they need the process to
-want more CPU than its quota: under the run's load that takes a period or two)."""
 _OOM_MARGIN_S = 10.0
 """Past the time the growth needs to reach the limit, how long the check waits for the OOM
 killer."""
@@ -67,24 +63,12 @@ class ResourceFaults:
         return pid
 
     def throttle_cpu(self, part: str, cpu_percent: float) -> dict[str, Any]:
-        pid = self._part_pid(part)
-        quota_us = max(1000, round(CPU_PERIOD_US * cpu_percent / 100))  # the kernel's floor: 1 ms
-        group = cgroups.create("cpu", self._cgroup_name(part), pid)
-        group.set_cpu_max(quota_us, CPU_PERIOD_US)
-        return {
-            "part": part,
-            "pid": pid,
-            "cgroup": str(group.path),
-            "cgroup_version": group.version,
-            "quota_us": quota_us,
-            "period_us": CPU_PERIOD_US,
-            "cpu_stat_before": group.cpu_stat(),
-        }
+        return cpu_throttle.throttle(
+            self._cgroup_name(part), part, [self._part_pid(part)], cpu_percent
+        )
 
     def unthrottle_cpu(self, part: str) -> None:
-        group = cgroups.find("cpu", self._cgroup_name(part))
-        if group is not None:
-            cgroups.remove(group)
+        cpu_throttle.unthrottle(self._cgroup_name(part))
 
     def oom_kill_worker(self, worker: str, limit_mib: float, grow_mib_s: float) -> dict[str, Any]:
         pid = self._part_pid(worker)
@@ -112,27 +96,7 @@ class ResourceFaults:
 
     # -- checks --------------------------------------------------------------------------
     def verify_throttle_cpu(self, details: dict[str, Any]) -> Verification:
-        """The process in the cgroup, the quota set, and the kernel throttling it: nr_throttled
-        and throttled_usec rising."""
-        group = cgroups.find("cpu", self._cgroup_name(str(details["part"])))
-        pid = int(details["pid"])
-        if group is None or pid not in group.pids():
-            where = "no such cgroup" if group is None else f"pids {group.pids()}"
-            return Verification(False, f"pid {pid} is not in {details['cgroup']} ({where})")
-        before = group.cpu_stat()
-        deadline = time.monotonic() + _THROTTLE_CHECK_S
-        while True:
-            time.sleep(0.5)
-            now = group.cpu_stat()
-            throttled = now["nr_throttled"] - before["nr_throttled"]
-            waited_us = now["throttled_usec"] - before["throttled_usec"]
-            evidence = (
-                f"{group.describe()}: quota {details['quota_us']}/{details['period_us']} us; "
-                f"nr_throttled +{throttled}, throttled_usec +{waited_us} over "
-                f"{now['nr_periods'] - before['nr_periods']} periods"
-            )
-            if throttled > 0 or time.monotonic() >= deadline:
-                return Verification(throttled > 0, evidence)
+        return cpu_throttle.verify_throttle(self._cgroup_name(str(details["part"])), details)
 
     def verify_oom_kill_worker(self, details: dict[str, Any]) -> Verification:
         """The cgroup's oom_kill counter (the kernel's OOM killer acted in it), the pid gone,

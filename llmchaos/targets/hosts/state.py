@@ -22,6 +22,7 @@ from typing import Any
 
 from llmchaos.files import read_json_object, write_json_atomic, write_text_atomic
 from llmchaos.processes import Owner, find_marked
+from llmchaos.stack import cgroups
 from llmchaos.targets.hosts import firewall
 from llmchaos.targets.hosts.procs import (
     HOSTS_ENV,
@@ -134,6 +135,9 @@ def remove_target(state: TargetState) -> list[str]:
             f"hosts target {state.target_id}: stopped processes {' '.join(map(str, pids))}"
         )
     lines += remove_rules(state.target_id)
+    for group in cgroups.list_ours(f"hosts-{state.target_id}-"):
+        cgroups.remove(group)  # the user's processes back where they were, unthrottled
+        lines.append(f"hosts target {state.target_id}: removed cgroup {group.describe()}")
     state.mark("stopped")
     return lines
 

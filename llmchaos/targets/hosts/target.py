@@ -13,6 +13,12 @@ effect, their undo, and readings in each engine's own terms.
   host's filter table, or inside the server's netns). Checked: a connect times out and the
   rules' packet counter rises.
 - expire_token_cache: DEL (ttl_s 0) or PEXPIRE the keys of `redis.key_pattern`.
+- throttle_cpu / unthrottle_cpu: the part's process and its children into a cgroup of ours
+  (`llmc-hosts-<target id>-<part>`) with a CPU quota (llmchaos.targets.cpu_throttle); back
+  where they were at the undo, or when the target is removed. Checked: the kernel's throttling
+  counters rising.
+- gpu_errors, slow_gpu, oom_kill_worker, degrade_network: not on processes llmchaos did not
+  build (TargetInfo.unsupported says why).
 
 Each fault is checked again after it went in (`verify_<fault>`, the evidence kept in the
 ledger): the pids gone and, for a server, a new pid from the supervisor; nothing of the killed
@@ -34,7 +40,8 @@ from typing import Any
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import Verification
 from llmchaos.processes import Owner, pid_alive, wait_for_state
-from llmchaos.targets import Target, TargetInfo, WorkerRef
+from llmchaos.stack import cgroups
+from llmchaos.targets import Target, TargetInfo, WorkerRef, cpu_throttle
 from llmchaos.targets.cache import expire_keys, expiry_verification, key_ttls
 from llmchaos.targets.hosts import firewall
 from llmchaos.targets.hosts.engines import EngineReading, read_engine
@@ -56,6 +63,11 @@ _READ_TIMEOUT_S = 0.5
 _KILL_WAIT_S = 3.0
 _PORT_FREE_WAIT_S = 10.0
 _PROBE_CONNECT_S = 0.3
+_NEEDS_ENGINE_HOOK = (
+    "a GPU fault while the server stays up needs a hook inside the engine (Dynamo injects Xid "
+    "and CUDA errors with LD_PRELOAD into CUDA), which a server on this machine without a GPU "
+    "does not have; the embedded stack's workers take it on their control port"
+)
 
 
 def partitions_supported() -> bool:
@@ -71,7 +83,24 @@ def planned_info(topology: HostsTopology) -> TargetInfo:
         gateways=tuple(g.name for g in topology.gateways),
         partitions_supported=partitions_supported(),
         partitions_need="root and iptables on this machine",
+        unsupported=_unsupported(),
     )
+
+
+def _unsupported() -> dict[str, str]:
+    """What the hosts target cannot do to the user's processes, and why (see TargetInfo)."""
+    unsupported = {
+        "gpu_errors": _NEEDS_ENGINE_HOOK,
+        "slow_gpu": _NEEDS_ENGINE_HOOK,
+        "oom_kill_worker": "an OOM kill needs the server to grow past a memory limit, which "
+        "llmchaos cannot make a server it did not build do (the embedded stack's workers grow "
+        "on command)",
+        "degrade_network": "shaping needs a device of the server's own (a network namespace "
+        "with a veth), and hosts servers share the loopback with everything else",
+    }
+    if (reason := cgroups.support("cpu")) is not None:
+        unsupported["throttle_cpu"] = reason
+    return unsupported
 
 
 class HostsTarget(Target):
@@ -296,6 +325,21 @@ class HostsTarget(Target):
         self._token_snapshot = (ttl_s, before)
         return expire_keys(spec.url, password, spec.key_pattern, ttl_s, spec.url)
 
+    def _cgroup_name(self, part: str) -> str:
+        # not a stack's `llmc-<4 hex>-`: the embedded stack's cleanup leaves these alone
+        return f"{cgroups.CGROUP_PREFIX}hosts-{self.state.target_id}-{part}"
+
+    def throttle_cpu(self, part: str, cpu_percent: float) -> dict[str, Any]:
+        main = self._pid(self.topology.part(part))
+        if main is None:
+            raise StackError(f"{part} is not running: no process to throttle")
+        return cpu_throttle.throttle(
+            self._cgroup_name(part), part, descendants([main]), cpu_percent
+        )
+
+    def unthrottle_cpu(self, part: str) -> None:
+        cpu_throttle.unthrottle(self._cgroup_name(part))
+
     # -- checks --------------------------------------------------------------------------
     def verify_kill_gpu_process(self, details: dict[str, Any]) -> Verification:
         """Each killed server's pids gone; with a supervisor, running again as a new pid.
@@ -317,6 +361,9 @@ class HostsTarget(Target):
         new = _wait(lambda: (pid := self.supervisor.pid(part.name)) not in (None, *killed), 10.0)
         now = self.supervisor.pid(part.name)
         return Verification(new, evidence + (f"; new pid {now}" if new else "; no new pid"))
+
+    def verify_throttle_cpu(self, details: dict[str, Any]) -> Verification:
+        return cpu_throttle.verify_throttle(self._cgroup_name(str(details["part"])), details)
 
     def verify_crash_gateway(self, details: dict[str, Any]) -> Verification:
         """The killed pids gone and none of them serving the gateway's port."""

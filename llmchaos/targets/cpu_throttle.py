@@ -1,0 +1,76 @@
+"""CPU throttling of processes on this machine, for every target whose processes run here
+(the embedded stack, the hosts target): the kernel's CFS bandwidth control through a cgroup
+of llmchaos's own (llmchaos.stack.cgroups), checked by the kernel's throttling counters.
+
+    details = throttle("llmc-1a2b-gpu-0", "gpu-0", [pid], cpu_percent=5)
+    verify_throttle("llmc-1a2b-gpu-0", details)   # nr_throttled and throttled_usec rising
+    unthrottle("llmc-1a2b-gpu-0")                 # the pids back where they were
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from llmchaos.ledger import Verification
+from llmchaos.stack import cgroups
+
+__all__ = ["CPU_PERIOD_US", "throttle", "unthrottle", "verify_throttle"]
+
+CPU_PERIOD_US = 100_000
+"""CFS enforcement period (the kernel's default, 100 ms): the quota is a share of it."""
+_THROTTLE_CHECK_S = 5.0
+"""How long the check waits for the throttling counters to rise (they need the process to
+want more CPU than its quota: under the run's load that takes a period or two)."""
+
+
+def throttle(cgroup_name: str, part: str, pids: list[int], cpu_percent: float) -> dict[str, Any]:
+    """Move `pids` (a process and its children: a server whose engine runs in a child is
+    throttled whole) into cgroup `cgroup_name` capped at `cpu_percent` of one CPU; returns
+    the ledger's details. Raises StackError when the kernel refuses."""
+    quota_us = max(1000, round(CPU_PERIOD_US * cpu_percent / 100))  # the kernel's floor: 1 ms
+    group = cgroups.create("cpu", cgroup_name, pids[0])
+    for pid in pids[1:]:
+        group.add(pid)
+    group.set_cpu_max(quota_us, CPU_PERIOD_US)
+    return {
+        "part": part,
+        "pid": pids[0],
+        "pids": pids,
+        "cgroup": str(group.path),
+        "cgroup_version": group.version,
+        "quota_us": quota_us,
+        "period_us": CPU_PERIOD_US,
+        "cpu_stat_before": group.cpu_stat(),
+    }
+
+
+def unthrottle(cgroup_name: str) -> None:
+    """Lift `throttle` (idempotent)."""
+    group = cgroups.find("cpu", cgroup_name)
+    if group is not None:
+        cgroups.remove(group)
+
+
+def verify_throttle(cgroup_name: str, details: dict[str, Any]) -> Verification:
+    """The process in the cgroup, the quota set, and the kernel throttling it: nr_throttled
+    and throttled_usec rising."""
+    group = cgroups.find("cpu", cgroup_name)
+    pid = int(details["pid"])
+    if group is None or pid not in group.pids():
+        where = "no such cgroup" if group is None else f"pids {group.pids()}"
+        return Verification(False, f"pid {pid} is not in {details['cgroup']} ({where})")
+    before = group.cpu_stat()
+    deadline = time.monotonic() + _THROTTLE_CHECK_S
+    while True:
+        time.sleep(0.5)
+        now = group.cpu_stat()
+        throttled = now["nr_throttled"] - before["nr_throttled"]
+        waited_us = now["throttled_usec"] - before["throttled_usec"]
+        evidence = (
+            f"{group.describe()}: quota {details['quota_us']}/{details['period_us']} us; "
+            f"nr_throttled +{throttled}, throttled_usec +{waited_us} over "
+            f"{now['nr_periods'] - before['nr_periods']} periods"
+        )
+        if throttled > 0 or time.monotonic() >= deadline:
+            return Verification(throttled > 0, evidence)
