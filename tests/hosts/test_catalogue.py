@@ -6,6 +6,10 @@ known-bad variant fails, for reasons their documented behaviour explains.
   fallback) the killed worker's requests are retried on the other deployment: 0 failed. With
   `num_retries: 0` and `disable_cooldowns: true` (no-failover) every request that picks the dead,
   then loading (503), deployment fails until it serves again, 20 s after the kill.
+- LiteLLM 1.108.7, cpu_throttle (gpu-0 at 1% of a CPU): with `latency-based-routing` (the tuned
+  settings otherwise) the slowed deployment got 2% and 15% of the requests after the throttle;
+  the tuned settings route with `simple-shuffle`, which ignores latency: 47% and 53%, so the
+  run fails on the share probe, nothing else (no request fails either way).
 - nginx 1.22, gateway_crash: the front door's `proxy_next_upstream ... non_idempotent` and
   `backup` gateway take the primary's requests; without the backup (no-backup-gateway) the
   front door answers 502 until the rollback restarts the primary.
@@ -44,6 +48,12 @@ CASES = [
     pytest.param(
         "gpu_kill", LITELLM_EXAMPLE, "no-failover", False, id="litellm-gpu_kill-no-failover"
     ),
+    pytest.param(
+        "cpu_throttle", LITELLM_EXAMPLE, "latency-routing", True, id="litellm-cpu_throttle-latency"
+    ),
+    pytest.param(
+        "cpu_throttle", LITELLM_EXAMPLE, "hardened", False, id="litellm-cpu_throttle-shuffle"
+    ),
     pytest.param("gateway_crash", NGINX_EXAMPLE, "hardened", True, id="nginx-gateway_crash-backup"),
     pytest.param(
         "gateway_crash",
@@ -71,11 +81,16 @@ def test_known_good_passes_and_known_bad_fails(
     if passes:
         assert outcome.exit_code == 0 and result.verdict == "pass", result.reasons
         assert (result.failed_requests or 0) <= 2  # at most what was in flight at the fault
+    elif experiment == "cpu_throttle":  # nothing fails: the throttled worker keeps its share
+        assert outcome.exit_code == 1 and result.deviated, result.reasons
+        assert "gpu-0-gets-at-most-30-percent" in " ".join(result.reasons), result.reasons
+        assert (result.failed_requests or 0) <= 2
     else:
         assert outcome.exit_code == 1 and result.deviated, result.reasons
         assert result.recovered is False or (result.recovery_time_s or 0) > result.sla_s
         assert (result.failed_requests or 0) >= 20  # seconds of its share of the load
     if hosts_file == LITELLM_EXAMPLE:
         assert result.qps_run == 8  # the hosts file's max_qps, not the experiment's 5000
+    if experiment == "gpu_kill":
         parts = result.target_recovery or {}
         assert [f["name"] for f in parts["recovered"] + parts["unrecovered"]] == ["gpu-0"]

@@ -199,7 +199,10 @@ def test_a_throttled_server_is_throttled_by_the_kernel_and_let_go(open_target: O
         sent = [pool.submit(_busy, server.url, 8.0) for _ in range(8)]
         verified = target.verify("throttle_cpu", throttled)
         assert verified.in_effect is True, verified
-        assert sum(s.result() for s in sent) > 0
+        answered = sum(s.result() for s in sent)
+    taken = target.requests_taken()  # from vLLM's own counter (the worker speaks its names)
+    assert answered > 0 and taken is not None and taken["gpu-0"] >= answered, (answered, taken)
+    assert taken["gpu-1"] == 0
     target.unthrottle_cpu("gpu-0")
     target.unthrottle_cpu("gpu-0")  # idempotent
     assert Path(f"/proc/{pid}/cgroup").read_text() == home  # back where it was

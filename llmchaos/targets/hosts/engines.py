@@ -7,6 +7,7 @@
     llamacpp  llamacpp:requests_deferred  llamacpp:requests_processing llamacpp:kv_cache_usage_ratio
     openai    -                           -                            -
 
+Finished requests (each server's share of the load): vllm:request_success_total.
 TTFT histograms: vllm:time_to_first_token_seconds, sglang:time_to_first_token_seconds; TGI and
 llama.cpp export none (measure it on the client). SGLang exports metrics only with
 --enable-metrics, llama.cpp only with --metrics; a generic OpenAI server exports none.
@@ -40,6 +41,9 @@ class EngineKind:
     health: str
     """Readiness path: 200 when it serves (vLLM, SGLang, TGI and llama.cpp: /health, which
     llama.cpp answers 503 while the model loads; a generic server: /v1/models)."""
+    finished: str | None = None
+    """Counter of the requests it finished (the share each server took of the load); only
+    vLLM's is read so far (vllm:request_success, one series per finished_reason)."""
 
 
 ENGINES: dict[str, EngineKind] = {
@@ -49,6 +53,7 @@ ENGINES: dict[str, EngineKind] = {
         "vllm:kv_cache_usage_perc",
         "vllm:time_to_first_token_seconds",
         "/health",
+        finished="vllm:request_success_total",
     ),
     "sglang": EngineKind(
         "sglang:num_queue_reqs",
@@ -81,6 +86,8 @@ class EngineReading:
     ttft_count: float | None = None
     """Requests counted by the TTFT histogram so far."""
     ttft_sum_s: float | None = None
+    finished: float | None = None
+    """Requests finished so far."""
 
 
 def parse_reading(kind: EngineKind, text: str) -> EngineReading:
@@ -101,6 +108,7 @@ def parse_reading(kind: EngineKind, text: str) -> EngineReading:
         kv_cache=peaks.get(kind.kv_cache) if kind.kv_cache else None,
         ttft_count=total(kind.ttft, "_count"),
         ttft_sum_s=total(kind.ttft, "_sum"),
+        finished=total(kind.finished),
     )
 
 

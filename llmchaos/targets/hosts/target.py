@@ -409,6 +409,15 @@ class HostsTarget(Target):
         """Requests waiting, summed over the servers that export it and answer."""
         return sum(r.queue or 0.0 for r in self.engine_readings().values())
 
+    def requests_taken(self) -> dict[str, float] | None:
+        """Of each server whose engine counts its finished requests and answers."""
+        taken = {
+            name: r.finished + (r.running or 0.0) + (r.queue or 0.0)
+            for name, r in self.engine_readings().items()
+            if r.finished is not None
+        }
+        return taken or None
+
     def kv_cache_usage(self) -> float | None:
         """The fullest KV cache among the servers that export it (0..1), None: none does."""
         shares = [r.kv_cache for r in self.engine_readings().values() if r.kv_cache is not None]
