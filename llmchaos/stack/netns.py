@@ -54,6 +54,7 @@ NETNS_PREFIX = "llmc-"
 _LINK_PATTERN = re.compile(r"lc[0-9a-f]{4}-\d+[hn]")
 _PARTITION_COMMENT = "llmchaos-partition"
 _LOSS_COMMENT = "llmchaos-loss"
+_DELAY_COMMENT = "llmchaos-delay"
 _SUBNET_BASE = ipaddress.ip_network("10.203.0.0/16")
 
 
@@ -381,10 +382,29 @@ def undrop_share(netns: str) -> None:
     _delete_commented(netns, _LOSS_COMMENT)
 
 
+def queue_packets(netns: str, direction: str, queue: int = 0) -> None:
+    """Hand the packets into and/or out of `netns` (loopback aside) to NFQUEUE `queue`, where
+    a delayer holds them (llmchaos.stack.nfqueue); they pass untouched while none listens
+    (--queue-bypass). Appended, so drop rules before it still drop. Idempotent."""
+    for side in _directions(direction):
+        chain, interface = _CHAINS[side]
+        spec = ["!", interface, "lo", "-m", "comment", "--comment", _DELAY_COMMENT]
+        spec += ["-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass"]
+        if _iptables(netns, "-C", chain, *spec, check=False).returncode != 0:
+            _iptables(netns, "-A", chain, *spec)
+
+
+def unqueue_packets(netns: str) -> None:
+    """Remove the NFQUEUE rules of `netns`. Idempotent."""
+    _delete_commented(netns, _DELAY_COMMENT)
+
+
 def rule_packets(netns: str, kind: str) -> dict[str, int]:
-    """Packets dropped so far by our `kind` rules ("partition" or "loss") in `netns`, by
-    chain; {} when there are none (or no such namespace)."""
-    comment = {"partition": _PARTITION_COMMENT, "loss": _LOSS_COMMENT}[kind]
+    """Packets matched so far by our `kind` rules ("partition" or "loss": dropped; "delay":
+    queued) in `netns`, by chain; {} when there are none (or no such namespace)."""
+    comment = {"partition": _PARTITION_COMMENT, "loss": _LOSS_COMMENT, "delay": _DELAY_COMMENT}[
+        kind
+    ]
     counts: dict[str, int] = {}
     for chain in ("INPUT", "OUTPUT"):
         listed = _iptables(netns, "-L", chain, "-v", "-x", "-n", check=False).stdout

@@ -6,13 +6,18 @@ touched. Every check must say "not in effect" with its evidence; the real fault 
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from llmchaos.processes import pid_alive
+from llmchaos.stack import tc
+from llmchaos.stack.netns import rule_packets
 from llmchaos.stack.topology import Topology, read_secrets
 from llmchaos.targets.cache import key_ttls
 from llmchaos.targets.embedded import EmbeddedTarget
@@ -123,3 +128,38 @@ def test_token_keys_never_touched_are_not_in_effect(
     assert f"{len(before)} untouched" in evidence, evidence
     target.expire_token_cache(0)
     assert target.verify("expire_token_cache", {}).in_effect
+
+
+def _get_ms(url: str) -> float:
+    """Milliseconds for a fresh connection's GET (connect, request, answer)."""
+    started = time.monotonic()
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        answer.read()
+    return 1000 * (time.monotonic() - started)
+
+
+def test_a_delay_without_netem_holds_the_nodes_packets(target: EmbeddedTarget) -> None:
+    """The delayer (NFQUEUE) where the kernel has no netem: a real client's round trips to the
+    node grow by the delay, the check sees it, and the undo takes it away."""
+    if not target.info().partitions_supported:
+        pytest.skip("nodes are not network namespaces here (needs root)")
+    if tc.netem_support() is None:
+        pytest.skip("this kernel has netem: delays are netem's, tested in the catalogue")
+    node_a, node_b = target.info().nodes[:2]
+    url = target.topology.node(node_b).workers[0].url + "/healthz"
+    before_ms = statistics.median(_get_ms(url) for _ in range(5))
+    delayed = target.degrade_network(node_b, 100, 20, 0, 0, "egress")
+    try:
+        # what leaves the node waits 80-120 ms: the SYN-ACK and the answer, so 2 of them
+        during_ms = statistics.median(_get_ms(url) for _ in range(5))
+        assert during_ms >= before_ms + 150, (before_ms, during_ms)
+        verified = target.verify("degrade_network", delayed)
+        assert verified.in_effect is True and "NFQUEUE" in verified.evidence, verified
+        evidence = _not_in_effect(target, "degrade_network", {**delayed, "node": node_a})
+        assert "no delay rule" in evidence or "does not run" in evidence, evidence
+    finally:
+        target.restore_network(node_b)
+    assert not pid_alive(delayed["delayer_pid"])
+    assert rule_packets(target.topology.node(node_b).netns or "", "delay") == {}
+    after_ms = statistics.median(_get_ms(url) for _ in range(5))
+    assert after_ms < before_ms + 50, (before_ms, after_ms)

@@ -4,18 +4,26 @@ A node is a network namespace joined to the host by a veth pair (llmchaos.stack.
 partition is iptables DROP in the node's namespace (INPUT: what comes in, OUTPUT: what goes
 out); packet loss is the same with the statistic match; latency, jitter and a bandwidth cap
 are qdiscs (llmchaos.stack.tc) on the node's end of the pair (what the node sends) or the
-host's end (what it receives). The checks read the kernel's counters: the DROP rules' packet
-counts rising, the qdiscs present and passing packets.
+host's end (what it receives). A kernel without netem gets its latency and jitter from a
+delayer process in the node's namespace that iptables NFQUEUE rules hand the packets to
+(llmchaos.stack.nfqueue). The checks read the kernel's counters: the DROP rules' packet
+counts rising, the qdiscs present and passing packets, the NFQUEUE rules' counts rising and
+the delayer's own measure of how long it held them.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmchaos.errors import InvalidInput
+from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import Verification
-from llmchaos.stack import netns, tc
+from llmchaos.processes import pid_alive, stop_pids
+from llmchaos.stack import netns, nfqueue, tc
+from llmchaos.stack.procs import find_stack_processes, spawn
+from llmchaos.stack.topology import read_owner
 
 if TYPE_CHECKING:
     from llmchaos.stack.topology import NodeInfo, Topology
@@ -25,6 +33,8 @@ __all__ = ["NetworkFaults"]
 _COUNTERS_RISE_S = 5.0
 """How long a check waits for packets to hit a rule or a qdisc: the gateways check every
 worker each second, so a node sees traffic well within it even without load."""
+_DELAYER_START_S = 5.0
+"""How long a packet delayer may take to start and bind its queue."""
 _CHAINS = {"ingress": ("INPUT",), "egress": ("OUTPUT",), "both": ("INPUT", "OUTPUT")}
 
 
@@ -79,10 +89,20 @@ class NetworkFaults:
     ) -> dict[str, Any]:
         info = self._node_netns(node)
         details: dict[str, Any] = {"node": node, "direction": direction, "qdiscs": {}}
+        # without netem the delay is a delayer process the node's packets are queued to
+        queued = bool(delay_ms) and tc.netem_support() is not None
+        if queued:
+            details["delayer_pid"] = self._start_delayer(node, delay_ms, jitter_ms)
+            netns.queue_packets(info.netns or "", direction)
         for namespace, device in self._links(info, direction):
-            if delay_ms or rate_kbit:
+            qdisc_delay_ms = 0.0 if queued else delay_ms
+            if qdisc_delay_ms or rate_kbit:
                 kinds = tc.shape(
-                    namespace, device, delay_ms=delay_ms, jitter_ms=jitter_ms, rate_kbit=rate_kbit
+                    namespace,
+                    device,
+                    delay_ms=qdisc_delay_ms,
+                    jitter_ms=0.0 if queued else jitter_ms,
+                    rate_kbit=rate_kbit,
                 )
                 details["qdiscs"][device] = kinds
         if loss_percent:
@@ -92,11 +112,50 @@ class NetworkFaults:
         )
         return details
 
+    def _delay_stats_path(self, node: str) -> Path:
+        return Path(self.topology.state_dir) / f"delay-{node}.json"
+
+    def _start_delayer(self, node: str, delay_ms: float, jitter_ms: float) -> int:
+        """A delayer (llmchaos.stack.nfqueue) inside the node's namespace, marked as the
+        stack's (its teardown and `llmchaos cleanup` stop it), bound to its queue; its pid."""
+        self._stop_delayer(node)
+        info = self._node_netns(node)
+        state_dir = Path(self.topology.state_dir)
+        owner = read_owner(state_dir)
+        if owner is None:
+            raise StackError(f"stack {self.topology.stack_id}: no owner file in {state_dir}")
+        stats = self._delay_stats_path(node)
+        stats.unlink(missing_ok=True)
+        log = state_dir / "logs" / f"delay-{node}.log"
+        argv = ["ip", "netns", "exec", info.netns or "", sys.executable, "-m"]
+        argv += ["llmchaos.stack.nfqueue", "--delay-ms", f"{delay_ms:g}"]
+        argv += ["--jitter-ms", f"{jitter_ms:g}", "--stats", str(stats)]
+        process = spawn(argv, stack_id=self.topology.stack_id, owner=owner, log_path=log)
+        deadline = time.monotonic() + _DELAYER_START_S
+        while nfqueue.read_stats(stats) is None:
+            if process.poll() is not None or time.monotonic() >= deadline:
+                stop_pids([process.pid])
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise StackError(
+                    f"{node}: the packet delayer did not bind its queue within "
+                    f"{_DELAYER_START_S:g} s (log {log}: {' | '.join(tail)})"
+                )
+            time.sleep(0.05)
+        return process.pid
+
+    def _stop_delayer(self, node: str) -> None:
+        """Stop the node's delayer (it lets every held packet go first). Idempotent."""
+        stats = nfqueue.read_stats(self._delay_stats_path(node))
+        if stats is not None and stats.pid in find_stack_processes(self.topology.stack_id):
+            stop_pids([stats.pid])
+
     def restore_network(self, node: str) -> None:
         info = self.topology.node(node)
         if not info.netns or info.netns not in netns.list_namespaces():
             return
         netns.undrop_share(info.netns)
+        netns.unqueue_packets(info.netns)  # the rules first: no packet waits for a dead queue
+        self._stop_delayer(node)
         for namespace, device in self._links(info, "both"):
             tc.unshape(namespace, device)
 
@@ -119,9 +178,10 @@ class NetworkFaults:
             waited_s = time.monotonic() - start
             if any(rose.values()) or waited_s >= _COUNTERS_RISE_S:
                 counts = ", ".join(f"{c} +{n}" for c, n in rose.items())
+                verdict = "NFQUEUE" if kind == "delay" else "DROP"
                 return Verification(
                     any(rose.values()),
-                    f"{kind} DROP rules in {namespace}: packets {counts} in {waited_s:.1f} s",
+                    f"{kind} {verdict} rules in {namespace}: packets {counts} in {waited_s:.1f} s",
                 )
 
     def verify_partition_node(self, details: dict[str, Any]) -> Verification:
@@ -152,7 +212,29 @@ class NetworkFaults:
             loss = self._rules_rising(info.netns or "", "loss", _CHAINS[str(details["direction"])])
             in_effect = in_effect and bool(loss.in_effect)
             lines.append(loss.evidence)
+        if details.get("delayer_pid"):
+            delayed = self._verify_delayer(info.netns or "", details)
+            in_effect = in_effect and bool(delayed.in_effect)
+            lines.append(delayed.evidence)
         if not lines:  # qdiscs on other devices than this node's: nothing here was shaped
             devices = ", ".join(d for _, d in self._links(info, str(details["direction"])))
             return Verification(False, f"no qdisc or loss rule of this fault on {devices}")
         return Verification(in_effect, "; ".join(lines))
+
+    def _verify_delayer(self, namespace: str, details: dict[str, Any]) -> Verification:
+        """The NFQUEUE rules passing packets to the node's delayer, which runs and held the
+        packets it let go for about delay_ms on average (within the jitter, plus 5 ms)."""
+        queued = self._rules_rising(namespace, "delay", _CHAINS[str(details["direction"])])
+        stats = nfqueue.read_stats(self._delay_stats_path(str(details["node"])))
+        if stats is None or stats.pid != details["delayer_pid"] or not pid_alive(stats.pid):
+            return Verification(False, f"{queued.evidence}; its delayer does not run")
+        margin_ms = float(details["jitter_ms"]) + 5.0
+        held_as_asked = stats.packets > 0 and abs(stats.mean_hold_ms - details["delay_ms"]) <= (
+            margin_ms
+        )
+        return Verification(
+            bool(queued.in_effect) and held_as_asked,
+            f"{queued.evidence}; delayer pid {stats.pid} let {stats.packets} packets go after "
+            f"{stats.mean_hold_ms:.1f} ms on average (asked {details['delay_ms']:g} +- "
+            f"{details['jitter_ms']:g} ms), at most {stats.most_waiting} waiting",
+        )

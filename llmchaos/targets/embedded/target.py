@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import Verification
 from llmchaos.processes import pid_alive, start_ticks
-from llmchaos.stack import cgroups, netns, tc
+from llmchaos.stack import cgroups, netns, nfqueue, tc
 from llmchaos.stack.agent import AgentSettings
 from llmchaos.stack.config import StackConfig
 from llmchaos.stack.procs import http_get_status
@@ -89,8 +89,9 @@ def _unsupported(with_netns: bool) -> dict[str, str]:
             unsupported[fault] = reason
     if not with_netns:
         unsupported["degrade_network"] = "nodes are not network namespaces here (needs root)"
-    elif (reason := tc.netem_support()) is not None:
-        unsupported["degrade_network:delay_ms"] = reason
+    elif (no_netem := tc.netem_support()) is not None and (no_queue := nfqueue.support()):
+        # without netem a delayer takes the node's packets from an NFQUEUE (network.py)
+        unsupported["degrade_network:delay_ms"] = f"{no_netem}; and {no_queue}"
     return unsupported
 
 
