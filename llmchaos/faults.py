@@ -385,9 +385,8 @@ def degrade_network(
     _check_direction(direction)
     info = run.target.info()
     real = info.node_name(node)
-    delay_reason = info.unsupported.get("degrade_network:delay_ms")
-    if numbers["delay_ms"] and delay_reason:
-        raise InvalidInput(f"delay_ms: {delay_reason}")
+    if refused := info.refused_argument("degrade_network", numbers):
+        raise InvalidInput(refused)
     with run.fault("degrade_network", real, Undo("restore_network", {"node": real})) as details:
         details.update(
             run.target.degrade_network(

@@ -48,6 +48,8 @@ __all__ = [
 
 SEVERITIES = ("blocker", "critical", "normal", "minor", "trivial")
 _REGISTRY_FAULTS = ("kill_registry_member", "partition_registry_member", "restore_registry")
+_SHAPED_ARGUMENTS = ("delay_ms", "jitter_ms", "loss_percent", "rate_kbit")
+"""degrade_network's arguments a target may refuse one by one (TargetInfo.refused_argument)."""
 """Allure's severity levels, which the suites report experiments under."""
 
 
@@ -270,9 +272,9 @@ def _check_activity(
         problems.append(
             f"{place}: {func_name} cannot run on this target: {info.unsupported[func_name]}"
         )
-    delay_reason = info.unsupported.get(f"{func_name}:delay_ms")
-    if delay_reason and any(as_number("", given.get(k, 0) or 0) for k in ("delay_ms", "jitter_ms")):
-        problems.append(f"{place}.arguments.delay_ms: {delay_reason}")
+    numbers = {k: as_number("", given.get(k, 0) or 0) for k in _SHAPED_ARGUMENTS}
+    if refused := info.refused_argument(func_name, numbers):
+        problems.append(f"{place}.arguments.{refused}")
     if func_name == "drain_node" and not info.drains_supported:
         problems.append(f"{place}: drain_node needs a target with nodes to drain (a cluster)")
     if func_name == "partition_node" and not info.partitions_supported:

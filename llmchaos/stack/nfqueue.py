@@ -35,13 +35,23 @@ import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from llmchaos.errors import StackError
+from llmchaos.processes import pid_alive
 
-__all__ = ["DelayStats", "PacketDelayer", "read_stats", "support"]
+__all__ = [
+    "DelayStats",
+    "PacketDelayer",
+    "check_hold",
+    "command",
+    "read_stats",
+    "support",
+    "wait_bound",
+]
 
 _NETLINK_NETFILTER = 12
 _SOL_NETLINK = 270
@@ -60,6 +70,8 @@ _PACKET_HDR = 1
 _VERDICT_HDR = 2
 _NF_ACCEPT = 1
 _STATS_EVERY_S = 0.5
+_BIND_WAIT_S = 5.0
+"""How long a delayer may take to start and bind its queue."""
 
 
 def _attribute(kind: int, payload: bytes) -> bytes:
@@ -102,6 +114,45 @@ def read_stats(path: Path) -> DelayStats | None:
         return DelayStats(json.loads(Path(path).read_text()))
     except (OSError, ValueError):
         return None
+
+
+def command(queue: int, delay_ms: float, jitter_ms: float, stats_path: Path) -> list[str]:
+    """The delayer's command line (run it inside the namespace whose packets it holds)."""
+    return [
+        *(sys.executable, "-m", "llmchaos.stack.nfqueue", "--queue", str(queue)),
+        *("--delay-ms", f"{delay_ms:g}", "--jitter-ms", f"{jitter_ms:g}"),
+        *("--stats", str(stats_path)),
+    ]
+
+
+def wait_bound(process: subprocess.Popen[bytes], stats_path: Path, log_path: Path) -> None:
+    """Return once the delayer started by `command` has bound its queue; raises StackError
+    (the process stopped, the log's last lines quoted) when it exits or takes over
+    _BIND_WAIT_S."""
+    deadline = time.monotonic() + _BIND_WAIT_S
+    while read_stats(stats_path) is None:
+        if process.poll() is not None or time.monotonic() >= deadline:
+            process.kill()
+            process.wait()
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise StackError(
+                f"the packet delayer did not bind its queue within {_BIND_WAIT_S:g} s "
+                f"(log {log_path}: {' | '.join(tail)})"
+            )
+        time.sleep(0.05)
+
+
+def check_hold(stats_path: Path, pid: int, delay_ms: float, jitter_ms: float) -> tuple[bool, str]:
+    """Whether the delayer `pid` runs and held the packets it let go for about `delay_ms` on
+    average (within the jitter, plus 5 ms for its own ordering and wake-ups); the evidence."""
+    stats = read_stats(stats_path)
+    if stats is None or stats.pid != pid or not pid_alive(pid):
+        return False, f"its delayer (pid {pid}) does not run"
+    near = abs(stats.mean_hold_ms - delay_ms) <= jitter_ms + 5.0
+    return stats.packets > 0 and near, (
+        f"delayer pid {pid} let {stats.packets} packets go after {stats.mean_hold_ms:.1f} ms on "
+        f"average (asked {delay_ms:g} +- {jitter_ms:g} ms), at most {stats.most_waiting} waiting"
+    )
 
 
 class PacketDelayer:

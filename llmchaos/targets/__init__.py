@@ -132,7 +132,17 @@ class TargetInfo:
     unsupported: dict[str, str] = field(default_factory=dict)
     """Faults this target cannot inject here, each with the reason (the cluster API has no
     way to make a GPU throw Xid errors; this kernel has no netem): validation refuses an
-    experiment that uses one before anything starts."""
+    experiment that uses one before anything starts. `<fault>:<argument>` refuses only that
+    argument above 0 (`degrade_network:rate_kbit`)."""
+
+    def refused_argument(self, fault: str, numbers: Mapping[str, float]) -> str | None:
+        """Why this target cannot do `fault` with these arguments (the first above 0 that it
+        refuses, named), None when it can."""
+        for name, value in numbers.items():
+            reason = self.unsupported.get(f"{fault}:{name}")
+            if value and reason:
+                return f"{name}: {reason}"
+        return None
 
     def _real(self, name: str) -> str:
         """A real name stays itself (a cluster node may well be called node-a)."""

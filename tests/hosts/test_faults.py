@@ -10,12 +10,14 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -210,6 +212,49 @@ def test_a_throttled_server_is_throttled_by_the_kernel_and_let_go(open_target: O
     target.throttle_cpu("gpu-1", 50)  # left in: close() lets it go (checked by the fixture)
     with pytest.raises(InvalidInput, match=r"oom_kill_worker: .* cannot do it: an OOM kill"):
         target.oom_kill_worker("gpu-1", 64, 64)
+
+
+def _health_ms(url: str) -> float:
+    """Median milliseconds of 5 fresh connections' GET of `url`."""
+    took = []
+    for _ in range(5):
+        started = time.monotonic()
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            answer.read()
+        took.append(1000 * (time.monotonic() - started))
+    return statistics.median(took)
+
+
+def _verify_with_traffic(target: HostsTarget, details: dict[str, Any], url: str) -> Any:
+    """The fault's check while requests go to `url` (its counters need packets)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(_health_ms, url)
+        return target.verify("degrade_network", details)
+
+
+def test_loss_and_delay_on_a_nodes_ports(open_target: Opener, needs_root: None) -> None:
+    target = open_target()
+    slowed, other = (target.topology.server(n).url + "/health" for n in ("gpu-0", "gpu-1"))
+    before_ms = _health_ms(slowed)
+    delayed = target.degrade_network("node-a", 100, 20, 0, 0, "egress")
+    # what node-a's server sends waits 80-120 ms: its SYN-ACK and its answer
+    assert _health_ms(slowed) >= before_ms + 150
+    assert _health_ms(other) < before_ms + 50  # node-b's port is not touched
+    verified = _verify_with_traffic(target, delayed, slowed)
+    assert verified.in_effect is True and "delayer pid" in verified.evidence, verified
+    target.restore_network("node-a")
+    target.restore_network("node-a")  # idempotent
+    (pid,) = delayed["delayers"].values()
+    assert not pid_alive(pid) and _rules_of(target.state.target_id) == []
+    assert _health_ms(slowed) < before_ms + 50
+    again = target.verify("degrade_network", delayed)  # a delay that is gone: not in effect
+    assert again.in_effect is False and "no delay rule" in again.evidence, again
+    lossy = target.degrade_network("node-b", 0, 0, 50, 0, "egress")  # half of it lost
+    verified = _verify_with_traffic(target, lossy, other)
+    assert verified.in_effect is True and "loss rules" in verified.evidence, verified
+    with pytest.raises(InvalidInput, match=r"rate_kbit: .*loopback"):
+        target.degrade_network("node-b", 0, 0, 0, 64, "egress")
+    # left in: close() removes the rules (checked by the fixture)
 
 
 def test_the_ledger_undoes_a_partition_and_a_crash(

@@ -13,14 +13,13 @@ the delayer's own measure of how long it held them.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import Verification
-from llmchaos.processes import pid_alive, stop_pids
+from llmchaos.processes import stop_pids
 from llmchaos.stack import netns, nfqueue, tc
 from llmchaos.stack.procs import find_stack_processes, spawn
 from llmchaos.stack.topology import read_owner
@@ -33,8 +32,6 @@ __all__ = ["NetworkFaults"]
 _COUNTERS_RISE_S = 5.0
 """How long a check waits for packets to hit a rule or a qdisc: the gateways check every
 worker each second, so a node sees traffic well within it even without load."""
-_DELAYER_START_S = 5.0
-"""How long a packet delayer may take to start and bind its queue."""
 _CHAINS = {"ingress": ("INPUT",), "egress": ("OUTPUT",), "both": ("INPUT", "OUTPUT")}
 
 
@@ -127,20 +124,13 @@ class NetworkFaults:
         stats = self._delay_stats_path(node)
         stats.unlink(missing_ok=True)
         log = state_dir / "logs" / f"delay-{node}.log"
-        argv = ["ip", "netns", "exec", info.netns or "", sys.executable, "-m"]
-        argv += ["llmchaos.stack.nfqueue", "--delay-ms", f"{delay_ms:g}"]
-        argv += ["--jitter-ms", f"{jitter_ms:g}", "--stats", str(stats)]
+        argv = ["ip", "netns", "exec", info.netns or ""]
+        argv += nfqueue.command(0, delay_ms, jitter_ms, stats)
         process = spawn(argv, stack_id=self.topology.stack_id, owner=owner, log_path=log)
-        deadline = time.monotonic() + _DELAYER_START_S
-        while nfqueue.read_stats(stats) is None:
-            if process.poll() is not None or time.monotonic() >= deadline:
-                stop_pids([process.pid])
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise StackError(
-                    f"{node}: the packet delayer did not bind its queue within "
-                    f"{_DELAYER_START_S:g} s (log {log}: {' | '.join(tail)})"
-                )
-            time.sleep(0.05)
+        try:
+            nfqueue.wait_bound(process, stats, log)
+        except StackError as exc:
+            raise StackError(f"{node}: {exc}") from None
         return process.pid
 
     def _stop_delayer(self, node: str) -> None:
@@ -222,19 +212,12 @@ class NetworkFaults:
         return Verification(in_effect, "; ".join(lines))
 
     def _verify_delayer(self, namespace: str, details: dict[str, Any]) -> Verification:
-        """The NFQUEUE rules passing packets to the node's delayer, which runs and held the
-        packets it let go for about delay_ms on average (within the jitter, plus 5 ms)."""
+        """The NFQUEUE rules passing packets to the node's delayer, which holds them as asked."""
         queued = self._rules_rising(namespace, "delay", _CHAINS[str(details["direction"])])
-        stats = nfqueue.read_stats(self._delay_stats_path(str(details["node"])))
-        if stats is None or stats.pid != details["delayer_pid"] or not pid_alive(stats.pid):
-            return Verification(False, f"{queued.evidence}; its delayer does not run")
-        margin_ms = float(details["jitter_ms"]) + 5.0
-        held_as_asked = stats.packets > 0 and abs(stats.mean_hold_ms - details["delay_ms"]) <= (
-            margin_ms
+        held, evidence = nfqueue.check_hold(
+            self._delay_stats_path(str(details["node"])),
+            int(details["delayer_pid"]),
+            float(details["delay_ms"]),
+            float(details["jitter_ms"]),
         )
-        return Verification(
-            bool(queued.in_effect) and held_as_asked,
-            f"{queued.evidence}; delayer pid {stats.pid} let {stats.packets} packets go after "
-            f"{stats.mean_hold_ms:.1f} ms on average (asked {details['delay_ms']:g} +- "
-            f"{details['jitter_ms']:g} ms), at most {stats.most_waiting} waiting",
-        )
+        return Verification(bool(queued.in_effect) and held, f"{queued.evidence}; {evidence}")

@@ -25,6 +25,7 @@ __all__ = [
     "TAG",
     "Rule",
     "add_port_drop",
+    "add_port_queue",
     "delete_rule",
     "dropped_packets",
     "namespaces",
@@ -79,23 +80,38 @@ def _iptables(
 
 
 def add_port_drop(
-    port: int, comment: str, netns: str | None = None, direction: str = "both"
+    port: int,
+    comment: str,
+    netns: str | None = None,
+    direction: str = "both",
+    share: float | None = None,
 ) -> None:
-    """DROP TCP to `port` (direction "ingress"), from it ("egress") or both (idempotent)."""
+    """DROP TCP to `port` (direction "ingress"), from it ("egress") or both, all of it or a
+    random `share` (0..1: packet loss). Idempotent."""
+    action = ["-j", "DROP"]
+    if share is not None:
+        action = ["-m", "statistic", "--mode", "random", "--probability", f"{share:.6f}", *action]
+    _add_port_rule(port, comment, netns, direction, action)
+
+
+def add_port_queue(
+    port: int, comment: str, queue: int, netns: str | None = None, direction: str = "both"
+) -> None:
+    """Hand TCP to and/or from `port` to NFQUEUE `queue` (a delayer holds it: nfqueue.py);
+    it passes untouched while nothing listens (--queue-bypass). Idempotent."""
+    action = ["-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass"]
+    _add_port_rule(port, comment, netns, direction, action)
+
+
+def _add_port_rule(
+    port: int, comment: str, netns: str | None, direction: str, action: list[str]
+) -> None:
+    """Insert `action` for TCP of `port` on the chains of `direction`, first in the chain
+    (so later ones go before: drops before a queue). Idempotent."""
     chains = {"ingress": _CHAINS[:1], "egress": _CHAINS[1:]}.get(direction, _CHAINS)
     for chain, port_flag in chains:
-        spec = [
-            "-p",
-            "tcp",
-            port_flag,
-            str(port),
-            "-m",
-            "comment",
-            "--comment",
-            comment,
-            "-j",
-            "DROP",
-        ]
+        spec = ["-p", "tcp", port_flag, str(port), "-m", "comment", "--comment", comment]
+        spec += action
         if _iptables(netns, "-C", chain, *spec, check=False).returncode != 0:
             _iptables(netns, "-I", chain, "1", *spec)
 
@@ -128,7 +144,8 @@ def delete_rule(rule: Rule) -> None:
 
 
 def dropped_packets(comment: str, netns: str | None = None) -> int:
-    """Packets the rules tagged `comment` dropped so far (iptables -v -S counters)."""
+    """Packets the rules tagged `comment` matched so far (dropped, or queued to a delayer:
+    iptables -v -S counters)."""
     total = 0
     for chain, _ in _CHAINS:
         for line in _iptables(netns, "-v", "-S", chain, check=False).stdout.splitlines():

@@ -17,8 +17,12 @@ effect, their undo, and readings in each engine's own terms.
   (`llmc-hosts-<target id>-<part>`) with a CPU quota (llmchaos.targets.cpu_throttle); back
   where they were at the undo, or when the target is removed. Checked: the kernel's throttling
   counters rising.
-- gpu_errors, slow_gpu, oom_kill_worker, degrade_network: not on processes llmchaos did not
-  build (TargetInfo.unsupported says why).
+- degrade_network / restore_network: loss (iptables statistic DROP) and delay (NFQUEUE to a
+  delayer llmchaos starts, llmchaos.stack.nfqueue) on the ports of the node's servers, tagged
+  like a partition (`<node>+loss`, `<node>+delay`). Checked: the rules' counters rising, each
+  delayer holding packets as asked. No bandwidth cap (tbf shapes a whole device).
+- gpu_errors, slow_gpu, oom_kill_worker: not on processes llmchaos did not build
+  (TargetInfo.unsupported says why).
 
 Each fault is checked again after it went in (`verify_<fault>`, the evidence kept in the
 ledger): the pids gone and, for a server, a new pid from the supervisor; nothing of the killed
@@ -34,21 +38,25 @@ import signal
 import socket
 import subprocess
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import Verification
-from llmchaos.processes import Owner, pid_alive, wait_for_state
-from llmchaos.stack import cgroups
+from llmchaos.processes import Owner, find_marked, pid_alive, wait_for_state
+from llmchaos.stack import cgroups, nfqueue
 from llmchaos.targets import Target, TargetInfo, WorkerRef, cpu_throttle
 from llmchaos.targets.cache import expire_keys, expiry_verification, key_ttls
 from llmchaos.targets.hosts import firewall
 from llmchaos.targets.hosts.engines import EngineReading, read_engine
 from llmchaos.targets.hosts.procs import (
+    HOSTS_ENV,
+    OWNER_ENV,
     descendants,
     group_members,
     kill_all,
+    launch,
     listeners,
     read_pid_file,
     wait_gone,
@@ -63,6 +71,11 @@ _READ_TIMEOUT_S = 0.5
 _KILL_WAIT_S = 3.0
 _PORT_FREE_WAIT_S = 10.0
 _PROBE_CONNECT_S = 0.3
+_COUNTERS_RISE_S = 5.0
+"""How long a check waits for a rule's packet counter to rise."""
+_DELAY_QUEUE_BASE = 20_000
+"""NFQUEUE numbers of the hosts target's delayers: this plus a hash of target and node (the
+host's namespace is shared with whatever else uses NFQUEUE)."""
 _NEEDS_ENGINE_HOOK = (
     "a GPU fault while the server stays up needs a hook inside the engine (Dynamo injects Xid "
     "and CUDA errors with LD_PRELOAD into CUDA), which a server on this machine without a GPU "
@@ -95,11 +108,15 @@ def _unsupported() -> dict[str, str]:
         "oom_kill_worker": "an OOM kill needs the server to grow past a memory limit, which "
         "llmchaos cannot make a server it did not build do (the embedded stack's workers grow "
         "on command)",
-        "degrade_network": "shaping needs a device of the server's own (a network namespace "
-        "with a veth), and hosts servers share the loopback with everything else",
+        "degrade_network:rate_kbit": "a bandwidth cap (tc tbf) shapes a whole device, and "
+        "hosts servers share the loopback with everything else; loss and delay are per port",
     }
     if (reason := cgroups.support("cpu")) is not None:
         unsupported["throttle_cpu"] = reason
+    if not partitions_supported():
+        unsupported["degrade_network"] = "needs root and iptables on this machine"
+    elif (reason := nfqueue.support()) is not None:
+        unsupported["degrade_network:delay_ms"] = reason
     return unsupported
 
 
@@ -313,6 +330,91 @@ class HostsTarget(Target):
             for rule in firewall.tagged_rules(netns, prefix=comment):
                 firewall.delete_rule(rule)
 
+    def _net_tag(self, node: str, kind: str) -> str:
+        """The comment of a degradation rule: a partition's tag for node `<node>+<kind>`, so
+        heal_partition leaves it alone and the target's cleanup removes it."""
+        return firewall.tag(self.state.target_id, f"{node}+{kind}", self.owner)
+
+    def _delay_stats_path(self, node: str, netns: str | None) -> Path:
+        return self.state.state_dir / f"delay-{node}-{netns or 'host'}.json"
+
+    def degrade_network(
+        self,
+        node: str,
+        delay_ms: float,
+        jitter_ms: float,
+        loss_percent: float,
+        rate_kbit: float,
+        direction: str,
+    ) -> dict[str, Any]:
+        """Loss and delay on the ports of `node`'s servers (the host's filter table, or the
+        server's netns): iptables statistic DROP, and NFQUEUE to a delayer llmchaos starts
+        (a process marked as the target's). No bandwidth cap: tbf shapes a whole device."""
+        if rate_kbit:
+            raise self._unsupported("degrade_network:rate_kbit")
+        servers = self._servers_on(node)
+        self.restore_network(node)
+        details: dict[str, Any] = {"node": node, "direction": direction, "delayers": {}}
+        if delay_ms:
+            for netns in sorted({s.netns or "" for s in servers}):
+                queue = _DELAY_QUEUE_BASE + zlib.crc32(f"{self.state.target_id}/{node}".encode())
+                queue %= 1 << 16
+                details["delayers"][netns] = self._start_delayer(
+                    node, netns or None, queue, delay_ms, jitter_ms
+                )
+                for server in servers:
+                    if (server.netns or "") == netns:
+                        firewall.add_port_queue(
+                            server.port,
+                            self._net_tag(node, "delay"),
+                            queue,
+                            server.netns,
+                            direction,
+                        )
+        if loss_percent:  # inserted after the queue rules, so before them: lost, not delayed
+            for server in servers:
+                firewall.add_port_drop(
+                    server.port,
+                    self._net_tag(node, "loss"),
+                    server.netns,
+                    direction,
+                    share=loss_percent / 100,
+                )
+        details.update(
+            delay_ms=delay_ms, jitter_ms=jitter_ms, loss_percent=loss_percent, rate_kbit=0.0
+        )
+        return details
+
+    def _start_delayer(
+        self, node: str, netns: str | None, queue: int, delay_ms: float, jitter_ms: float
+    ) -> int:
+        stats = self._delay_stats_path(node, netns)
+        stats.unlink(missing_ok=True)
+        log = self.state.state_dir / "logs" / f"delay-{node}-{netns or 'host'}.log"
+        marks = {HOSTS_ENV: self.state.target_id, OWNER_ENV: self.owner.to_marker()}
+        argv = nfqueue.command(queue, delay_ms, jitter_ms, stats)
+        process, _ = launch(argv, env={}, marks=marks, log_path=log, netns=netns)
+        try:
+            nfqueue.wait_bound(process, stats, log)
+        except StackError as exc:
+            raise StackError(f"{node}: {exc}") from None
+        return process.pid
+
+    def restore_network(self, node: str) -> None:
+        """Remove `node`'s loss and queue rules, then stop its delayers (they let every held
+        packet go). Idempotent."""
+        for kind in ("loss", "delay"):
+            comment = self._net_tag(node, kind)
+            for netns in {s.netns for s in self._servers_on(node)}:
+                for rule in firewall.tagged_rules(netns, prefix=comment):
+                    firewall.delete_rule(rule)
+        ours = {pid for pid, mark in find_marked(HOSTS_ENV).items() if mark == self.state.target_id}
+        for netns in {s.netns for s in self._servers_on(node)}:
+            stats = nfqueue.read_stats(self._delay_stats_path(node, netns))
+            if stats is not None and stats.pid in ours:
+                kill_all([stats.pid], signal.SIGTERM)
+                wait_gone([stats.pid], _KILL_WAIT_S)
+
     def expire_token_cache(self, ttl_s: float) -> int:
         spec = self.topology.redis
         if spec is None or not spec.key_pattern:
@@ -364,6 +466,47 @@ class HostsTarget(Target):
 
     def verify_throttle_cpu(self, details: dict[str, Any]) -> Verification:
         return cpu_throttle.verify_throttle(self._cgroup_name(str(details["part"])), details)
+
+    def verify_degrade_network(self, details: dict[str, Any]) -> Verification:
+        """The loss rules dropping and the queue rules queueing on the node's ports (their
+        counters rising within a few seconds), and each delayer holding packets as asked."""
+        node = str(details["node"])
+        namespaces = {s.netns for s in self._servers_on(node)}
+        kinds = [
+            k for k, on in (("loss", details["loss_percent"]), ("delay", details["delay_ms"])) if on
+        ]
+        if not kinds:
+            return Verification(False, f"{node}: no loss or delay asked")
+        lines, in_effect = [], True
+        for kind in kinds:
+            counting, evidence = self._rules_counting(node, kind, namespaces)
+            in_effect = in_effect and counting
+            lines.append(evidence)
+        for netns, pid in dict(details.get("delayers") or {}).items():
+            held, evidence = nfqueue.check_hold(
+                self._delay_stats_path(node, netns or None),
+                int(pid),
+                float(details["delay_ms"]),
+                float(details["jitter_ms"]),
+            )
+            in_effect = in_effect and held
+            lines.append(evidence)
+        return Verification(in_effect, "; ".join(lines))
+
+    def _rules_counting(
+        self, node: str, kind: str, namespaces: set[str | None]
+    ) -> tuple[bool, str]:
+        """Whether the node's `kind` rules exist and their packet counters rise."""
+        comment = self._net_tag(node, kind)
+        if not any(firewall.tagged_rules(n, prefix=comment) for n in namespaces):
+            return False, f"no {kind} rule on {node}'s ports"
+
+        def counted() -> int:
+            return sum(firewall.dropped_packets(comment, n) for n in namespaces)
+
+        before = counted()
+        rose = _wait(lambda: counted() > before, _COUNTERS_RISE_S)
+        return rose, f"{kind} rules on {node}'s ports: +{counted() - before} packets"
 
     def verify_crash_gateway(self, details: dict[str, Any]) -> Verification:
         """The killed pids gone and none of them serving the gateway's port."""
