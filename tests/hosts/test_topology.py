@@ -230,3 +230,7 @@ def test_a_catalogue_experiment_that_does_not_apply_says_why(
     joined = "\n".join(validate_experiment_file(REPO / "experiments" / "gateway_crash.json"))
     assert "unknown variant 'no-backup-gateway' of the hosts target" in joined
     assert "unknown gateway 'primary'" in joined
+    # a fault the target can do but not with every argument: the argument and the reason
+    joined = "\n".join(validate_experiment_file(REPO / "experiments" / "network_degradation.json"))
+    assert "arguments.rate_kbit: a bandwidth cap (tc tbf) shapes a whole device" in joined
+    assert "delay_ms" not in joined and "loss_percent" not in joined  # those it can
