@@ -7,9 +7,9 @@ Starts the default (hardened) stack, then for each QPS step runs the open-loop l
 (`llmchaos.load.LoadRun`, on the same machine) for --step-s seconds and prints achieved QPS,
 P99, error rate and the CPU each component used (cores, from /proc via psutil). The answer is
 the highest step with P99 under 2 s and errors under 1%. Traffic `short` (10-token prompts,
-4 output tokens) measures the software path; `field` (the load's defaults: Zipf prompts over a
-512-token template, median 64 output tokens, 30% streaming) is bound by the two simulated
-GPUs instead. Not a test: figures for the README.
+4 output tokens) measures the software path; `field` (the load's defaults, TrafficSpec: Zipf
+prompts over a 512-token template, median 8 output tokens (log-normal, at most 1024), 30%
+streaming) is bound by the two simulated GPUs instead. Not a test: figures for the README.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def _run(script: Script, test: Callable[[RespClient], Coroutine[Any, Any, None]]
     async def main() -> None:
         server = await asyncio.start_server(script, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = RespClient(f"redis://127.0.0.1:{port}/0", None, connect_timeout_s=1.0)
+        client = RespClient(f"redis://127.0.0.1:{port}/0", None, timeout_s=1.0)
         try:
             await asyncio.wait_for(test(client), 5.0)
         finally:
@@ -54,7 +54,7 @@ async def _commands(reader: asyncio.StreamReader, count: int) -> list[list[bytes
 
 @pytest.mark.asyncio
 async def test_get_and_set_against_redis(redis_server: RedisServer) -> None:
-    client = RespClient(redis_server.url, None, connect_timeout_s=1.0)
+    client = RespClient(redis_server.url, None, timeout_s=1.0)
     try:
         assert await client.get("token:absent") is None
         await client.set("token:a", "tenant-a", px=5000)
@@ -165,7 +165,7 @@ def test_password_and_database_are_sent_first() -> None:
     async def main() -> None:
         server = await asyncio.start_server(script, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = RespClient(f"redis://127.0.0.1:{port}/3", "s3cret", connect_timeout_s=1.0)
+        client = RespClient(f"redis://127.0.0.1:{port}/3", "s3cret", timeout_s=1.0)
         try:
             assert await asyncio.wait_for(client.get("k"), 5.0) is None
         finally:
@@ -176,21 +176,57 @@ def test_password_and_database_are_sent_first() -> None:
     assert seen == [[b"AUTH", b"s3cret"], [b"SELECT", b"3"], [b"GET", b"k"]]
 
 
-def test_reset_fails_the_waiting_commands() -> None:
+def test_close_fails_the_waiting_commands() -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()
 
     async def test(client: RespClient) -> None:
         waiting = asyncio.ensure_future(client.get("a"))
         await asyncio.sleep(0.05)
-        client.reset()
+        await client.close()
         with pytest.raises(ConnectionError):
             await waiting
 
     _run(script, test)
 
 
+def test_a_stuck_connection_times_out_its_commands_and_the_next_reconnects() -> None:
+    connections = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        if connections == 1:  # a hung Redis: reads, never answers
+            await reader.read()
+            return
+        await _commands(reader, 1)
+        writer.write(b"$2\r\nok\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        server = await asyncio.start_server(script, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = RespClient(f"redis://127.0.0.1:{port}/0", None, timeout_s=0.2)
+        loop = asyncio.get_running_loop()
+        try:
+            started = loop.time()
+            first = asyncio.ensure_future(client.get("a"))
+            await asyncio.sleep(0.1)
+            results = await asyncio.gather(first, client.get("b"), return_exceptions=True)
+            assert all(isinstance(r, TimeoutError) for r in results), results
+            # the oldest command set the time: within timeout_s and one check period of it
+            assert 0.2 <= loop.time() - started < 0.35
+            assert await client.get("c") == "ok"
+        finally:
+            await client.close()
+            server.close()
+
+    uvloop.run(main())
+    assert connections == 2
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:6379/0", "redis://127.0.0.1:6379/x"])
 def test_a_url_that_is_not_redis_is_refused(url: str) -> None:
     with pytest.raises(InvalidInput, match="redis_url"):
-        RespClient(url, None, connect_timeout_s=1.0)
+        RespClient(url, None, timeout_s=1.0)

@@ -16,6 +16,8 @@ from yarl import URL
 from llmchaos.stack.gateway.upstream import UpstreamClient, UpstreamFailed
 from tests.stack import gateway_fixtures as fx
 
+WAIT_S = 5.0
+"""The first-byte timeout of the tests that do not test it."""
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 Test = Callable[[UpstreamClient, URL], Coroutine[Any, Any, None]]
 
@@ -86,7 +88,7 @@ def test_keep_alive_connection_is_reused_and_request_is_sent_as_given() -> None:
 
     async def test(client: UpstreamClient, url: URL) -> None:
         for i in range(3):
-            response = await client.post(url, b"X-Tenant: alice\r\n", b'{"n": %d}' % i)
+            response = await client.post(url, b"X-Tenant: alice\r\n", b'{"n": %d}' % i, WAIT_S)
             assert response.status == 200
             assert response.headers["x-worker"] == "w-1"
             assert await response.read() == b"{}"
@@ -125,7 +127,7 @@ def test_a_connection_the_worker_closes_is_not_reused(answer: bytes, reused: boo
 
     async def test(client: UpstreamClient, url: URL) -> None:
         for _ in range(2):
-            response = await client.post(url, b"", b"{}")
+            response = await client.post(url, b"", b"{}", WAIT_S)
             assert await response.read() == b"{}"
             response.release()
             await asyncio.sleep(0.05)  # the close arrives
@@ -146,13 +148,13 @@ def test_chunked_stream_is_read_as_it_arrives_then_pooled() -> None:
         await _answer_each(reader, writer)
 
     async def test(client: UpstreamClient, url: URL) -> None:
-        response = await client.post(url, b"", b"{}")
+        response = await client.post(url, b"", b"{}", WAIT_S)
         assert await response.read_chunk() == b"first"
         gate.set()
         assert await response.read_chunk() == b"second"
         assert await response.read_chunk() == b""
         response.release()
-        again = await client.post(url, b"", b"{}")
+        again = await client.post(url, b"", b"{}", WAIT_S)
         assert await again.read() == b"{}"
         again.release()
 
@@ -180,7 +182,7 @@ def test_a_cut_or_malformed_answer_is_a_disconnect(answer: bytes, where: str) ->
 
     async def test(client: UpstreamClient, url: URL) -> None:
         with pytest.raises(UpstreamFailed) as failed:
-            response = await client.post(url, b"", b"{}")
+            response = await client.post(url, b"", b"{}", WAIT_S)
             assert where == "body"
             await response.read()
         assert failed.value.reason == "disconnect"
@@ -188,16 +190,30 @@ def test_a_cut_or_malformed_answer_is_a_disconnect(answer: bytes, where: str) ->
     _run(Peer(script), test)
 
 
-def test_a_silent_worker_is_a_read_timeout() -> None:
+@pytest.mark.parametrize(
+    ("first_byte_s", "head", "reason"),
+    [
+        (0.1, b"", "first_byte_timeout"),
+        (5.0, b"", "read_timeout"),
+        (0.1, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n12", "read_timeout"),
+    ],
+    ids=["no-head-within-first-byte", "no-head-within-read", "body-stalls"],
+)
+def test_a_silent_worker_times_out(first_byte_s: float, head: bytes, reason: str) -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.write(head)
         await reader.read()
 
     async def test(client: UpstreamClient, url: URL) -> None:
+        started = asyncio.get_running_loop().time()
         with pytest.raises(UpstreamFailed) as failed:
-            await client.post(url, b"", b"{}")
-        assert failed.value.reason == "read_timeout"
+            response = await client.post(url, b"", b"{}", first_byte_s)
+            await response.read()  # the head came: the first-byte limit is over
+        assert failed.value.reason == reason
+        assert asyncio.get_running_loop().time() - started < 1.0
 
-    _run(Peer(script), test, read_timeout_s=0.1)
+    _run(Peer(script), test, read_timeout_s=0.3)
 
 
 def test_an_answer_released_unread_or_cancelled_closes_its_connection() -> None:
@@ -213,14 +229,14 @@ def test_an_answer_released_unread_or_cancelled_closes_its_connection() -> None:
                 writer.write(OK)
 
     async def test(client: UpstreamClient, url: URL) -> None:
-        unread = await client.post(url, b"", b"partial")
+        unread = await client.post(url, b"", b"partial", WAIT_S)
         unread.release()
-        task = asyncio.ensure_future(client.post(url, b"", b"hang"))
+        task = asyncio.ensure_future(client.post(url, b"", b"hang", WAIT_S))
         await asyncio.sleep(0.05)  # waiting for the answer's head
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        last = await client.post(url, b"", b"{}")
+        last = await client.post(url, b"", b"{}", WAIT_S)
         assert await last.read() == b"{}"
         last.release()
 
@@ -234,11 +250,14 @@ def test_connect_failures_are_named() -> None:
         client = UpstreamClient(connect_timeout_s=0.2, read_timeout_s=1.0)
         refusing = URL(fx.refusing_worker().url + "/v1/x")
         with pytest.raises(UpstreamFailed) as failed:
-            await client.post(refusing, b"", b"{}")
+            await client.post(refusing, b"", b"{}", WAIT_S)
         assert failed.value.reason == "connect_error"
         with fx.never_accepting_listener() as blackhole:
             with pytest.raises(UpstreamFailed) as failed:
-                await client.post(URL(blackhole.url + "/v1/x"), b"", b"{}")
+                await client.post(URL(blackhole.url + "/v1/x"), b"", b"{}", WAIT_S)
             assert failed.value.reason == "connect_timeout"
+            with pytest.raises(UpstreamFailed) as failed:  # the tighter limit names it
+                await client.post(URL(blackhole.url + "/v1/x"), b"", b"{}", 0.1)
+            assert failed.value.reason == "first_byte_timeout"
 
     uvloop.run(main())

@@ -123,9 +123,8 @@ class TokenAuthenticator:
         self._redis = RespClient(
             settings.redis_url,
             os.environ.get(REDIS_PASSWORD_ENV) or None,
-            connect_timeout_s=settings.redis_timeout_s,
+            timeout_s=settings.redis_timeout_s,
         )
-        self._redis_timeout_s = settings.redis_timeout_s
         self._skip_redis_until = 0.0
         self._inflight: dict[str, asyncio.Task[str | None]] = {}
 
@@ -144,8 +143,7 @@ class TokenAuthenticator:
             self._metrics.cache_fallbacks.inc()
             return await self._resolve(token, write_back=False)
         try:
-            async with asyncio.timeout(self._redis_timeout_s):
-                cached = await self._redis.get(KEY_PREFIX + token)
+            cached = await self._redis.get(KEY_PREFIX + token)
         except (RedisReplyError, OSError, TimeoutError) as exc:
             self._redis_failed(exc)
             self._metrics.cache_fallbacks.inc()
@@ -195,19 +193,15 @@ class TokenAuthenticator:
         else:
             ttl_s = self._cache.ttl_s + random.uniform(0.0, self._cache.ttl_jitter_s)
         try:
-            async with asyncio.timeout(self._redis_timeout_s):
-                await self._redis.set(
-                    KEY_PREFIX + token,
-                    NEGATIVE_ENTRY if tenant is None else tenant,
-                    px=max(1, int(ttl_s * 1000)),
-                )
+            await self._redis.set(
+                KEY_PREFIX + token,
+                NEGATIVE_ENTRY if tenant is None else tenant,
+                px=max(1, int(ttl_s * 1000)),
+            )
         except (RedisReplyError, OSError, TimeoutError) as exc:
             self._redis_failed(exc)
 
     def _redis_failed(self, exc: BaseException) -> None:
-        # a timed-out connection may be stuck (a hung Redis, a partition): the next command
-        # after redis_retry_s connects again, as redis-py did after a cancelled command
-        self._redis.reset()
         if time.monotonic() >= self._skip_redis_until:
             log.warning(
                 "redis unavailable (%s: %s); authenticating from SQLite for %.1f s",

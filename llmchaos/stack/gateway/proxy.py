@@ -209,6 +209,8 @@ class Proxy:
     async def _cancel(running: dict[asyncio.Task[_Fetched], tuple[Worker, float]]) -> None:
         """Cancel the attempts still running (a hedge's loser, or all when the client went
         away) and give back their connections and their workers' outstanding count."""
+        if not running:  # the usual case: no gather (a future) for nothing
+            return
         tasks = list(running)
         for task in tasks:
             task.cancel()
@@ -224,12 +226,11 @@ class Proxy:
     ) -> _Fetched:
         """One attempt up to the point where the client would first be sent something."""
         try:
-            async with asyncio.timeout(self._first_byte_timeout_s):
-                upstream = await self._client.post(worker.urls[path], headers, body)
+            upstream = await self._client.post(
+                worker.urls[path], headers, body, self._first_byte_timeout_s
+            )
         except UpstreamFailed as exc:
             raise _AttemptFailed(exc.reason) from None
-        except TimeoutError:
-            raise _AttemptFailed("first_byte_timeout") from None
         try:
             reply_headers = {
                 "Content-Type": upstream.headers.get("content-type", "application/json"),

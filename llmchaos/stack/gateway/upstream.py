@@ -7,8 +7,10 @@ parsed by httptools (llhttp, as in Node.js) as it arrives, the body read whole o
 chunk, and the connection back in the pool once the answer was read to its end.
 
 Failures are UpstreamFailed with the reason the proxy records: `connect_error`,
-`connect_timeout`, `read_timeout` (nothing for `read_timeout_s` while waiting for the answer)
-and `disconnect` (the connection ended before the answer did, or the answer is not HTTP).
+`connect_timeout`, `first_byte_timeout` (no status and headers within the request's limit),
+`read_timeout` (nothing for `read_timeout_s` while waiting for the answer) and `disconnect`
+(the connection ended before the answer did, or the answer is not HTTP). The timeouts are
+timers armed only while waiting, not asyncio.timeout scopes (a few % of the CPU per request).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class _Connection(asyncio.Protocol):
         self._failure: UpstreamFailed | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        # one parser for the connection's life: llhttp starts over after each answer, and
+        # building one per answer cost 2-3% of the gateway's CPU
+        self._parser = httptools.HttpResponseParser(self)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not derive from asyncio.Transport, so no isinstance check
@@ -62,7 +67,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         try:
-            response.parser.feed_data(data)
+            self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamFailed("disconnect", f"malformed answer ({exc})"))
             self.close()
@@ -72,6 +77,33 @@ class _Connection(asyncio.Protocol):
             assert self.transport is not None
             self.transport.pause_reading()
             self._paused = True
+
+    # httptools callbacks: they fill in the answer being read
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.response is not None
+        self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        response.status = self._parser.get_status_code()
+        headers = response.headers
+        response.until_close = (
+            "content-length" not in headers and "transfer-encoding" not in headers
+        )
+
+    def on_body(self, body: bytes) -> None:
+        response = self.response
+        assert response is not None
+        response.body.append(body)
+        response.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        # asked here: after the callback the parser has moved on and answers False
+        response.keep_alive = self._parser.should_keep_alive()
+        response.complete = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -88,8 +120,9 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def wait(self) -> None:
-        """Until more of the answer (or its end) arrived. Raises UpstreamFailed."""
+    async def wait(self, timeout_s: float | None = None, reason: str = "read_timeout") -> None:
+        """Until more of the answer (or its end) arrived; fails with `reason` after
+        `timeout_s` (default: the read timeout). Raises UpstreamFailed."""
         if self._failure is not None:
             raise self._failure
         if self._paused:
@@ -98,18 +131,19 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(self._read_timeout_s, self._timed_out, waiter)
+        if timeout_s is None or timeout_s > self._read_timeout_s:
+            timeout_s, reason = self._read_timeout_s, "read_timeout"
+        timer = loop.call_later(timeout_s, self._timed_out, waiter, reason, timeout_s)
         try:
             await waiter
         finally:
             timer.cancel()
             self._waiter = None
 
-    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
+    @staticmethod
+    def _timed_out(waiter: asyncio.Future[None], reason: str, timeout_s: float) -> None:
         if not waiter.done():
-            waiter.set_exception(
-                UpstreamFailed("read_timeout", f"nothing for {self._read_timeout_s} s")
-            )
+            waiter.set_exception(UpstreamFailed(reason, f"nothing for {timeout_s} s"))
 
     def _fail(self, failure: UpstreamFailed) -> None:
         self._failure = failure
@@ -134,7 +168,6 @@ class UpstreamResponse:
         "complete",
         "headers",
         "keep_alive",
-        "parser",
         "status",
         "until_close",
     )
@@ -151,25 +184,6 @@ class UpstreamResponse:
         self.complete = False
         self.keep_alive = False
         self.until_close = False
-        self.parser = httptools.HttpResponseParser(self)
-
-    # httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        headers = self.headers
-        self.until_close = "content-length" not in headers and "transfer-encoding" not in headers
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-        self.buffered += len(body)
-
-    def on_message_complete(self) -> None:
-        # asked here: after the callback the parser has moved on and answers False
-        self.keep_alive = self.parser.should_keep_alive()
-        self.complete = True
 
     async def read(self) -> bytes:
         """The whole body. Raises UpstreamFailed."""
@@ -190,9 +204,10 @@ class UpstreamResponse:
         self.buffered = 0
         return data
 
-    async def _head(self) -> None:
+    async def _head(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
         while not self.status:
-            await self._conn.wait()
+            await self._conn.wait(deadline - loop.time(), "first_byte_timeout")
 
     def release(self) -> None:
         """Give the connection back to the pool when the answer was read to its end and the
@@ -216,12 +231,16 @@ class UpstreamClient:
         self._keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
 
-    async def post(self, url: URL, headers: bytes, body: bytes) -> UpstreamResponse:
-        """Send `body` to `url` and wait for the answer's status and headers. `headers`: the
-        extra header lines, each ending in CRLF. Raises UpstreamFailed."""
+    async def post(
+        self, url: URL, headers: bytes, body: bytes, first_byte_timeout_s: float
+    ) -> UpstreamResponse:
+        """Send `body` to `url` and wait for the answer's status and headers: UpstreamFailed
+        `first_byte_timeout` when they are not in within `first_byte_timeout_s` (the connect
+        included). `headers`: the extra header lines, each ending in CRLF."""
+        deadline = asyncio.get_running_loop().time() + first_byte_timeout_s
         host, port = url.raw_host or "", url.port or 80
         key = (host, port)
-        conn = self._pooled(key) or await self._connect(key)
+        conn = self._pooled(key) or await self._connect(key, first_byte_timeout_s)
         response = UpstreamResponse(self, key, conn)
         head = (
             f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {host}:{port}\r\n"
@@ -229,7 +248,7 @@ class UpstreamClient:
         ).encode("latin-1")
         try:
             conn.send(b"".join((head, headers, b"\r\n", body)), response)
-            await response._head()
+            await response._head(deadline)
         except BaseException:
             conn.response = None
             conn.close()
@@ -257,17 +276,18 @@ class UpstreamClient:
             conn.close()
         return None
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: tuple[str, int], first_byte_timeout_s: float) -> _Connection:
         loop = asyncio.get_running_loop()
+        timeout_s, reason = self._connect_timeout_s, "connect_timeout"
+        if first_byte_timeout_s < timeout_s:
+            timeout_s, reason = first_byte_timeout_s, "first_byte_timeout"
         try:
-            async with asyncio.timeout(self._connect_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 _, conn = await loop.create_connection(
                     lambda: _Connection(self._read_timeout_s), *key
                 )
         except TimeoutError:
-            raise UpstreamFailed(
-                "connect_timeout", f"{key[0]}:{key[1]} within {self._connect_timeout_s} s"
-            ) from None
+            raise UpstreamFailed(reason, f"{key[0]}:{key[1]} within {timeout_s} s") from None
         except OSError as exc:
             raise UpstreamFailed("connect_error", f"{key[0]}:{key[1]}: {exc}") from None
         return conn
