@@ -18,7 +18,6 @@ import argparse
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -75,17 +74,14 @@ def cpu_seconds(pids: list[int], with_children: bool = False) -> float:
 
 
 def run_step(topology: Topology, qps: float, step_s: float, traffic: str, workers: int) -> dict:
-    config = replace(
-        LoadConfig(
-            url=topology.gateway_url,
-            qps=qps,
-            duration_s=step_s,
-            workers=workers,
-            tokens_file=topology.tokens_file,
-            drain_s=3.0,
-            traffic=TrafficSpec(model=topology.model),
-        ),
-        **TRAFFIC[traffic],
+    config = LoadConfig(
+        url=topology.gateway_url,
+        qps=qps,
+        duration_s=step_s,
+        workers=workers,
+        tokens_file=topology.tokens_file,
+        drain_s=3.0,
+        traffic=TrafficSpec(model=topology.model, **TRAFFIC[traffic]),
     )
     pids = component_pids(topology)
     with LoadRun.start(config) as run:
