@@ -9,9 +9,10 @@ with aiohttp for a bounded time (and the upstream directly, as the baseline). Pr
 latency percentiles and CPU-seconds per 1000 requests of the gateway and the upstream (from
 /proc, so Linux only). Everything shares this machine's cores, so req/s is a floor; the CPU
 cost per request is the figure that carries over. `--against REV` also starts a gateway from
-the `llmchaos` of git revision REV (same Redis, token table and upstream) and measures the two
-in turn, `--rounds` times each, then prints both totals and their ratio: on a shared machine
-only figures from one run compare. Not a test: it prints figures.
+the `llmchaos` of git revision REV (same Redis, token table and upstream) and drives the two at
+once, `--rounds` times, then prints both totals and their ratio: on a shared machine (and 2
+hyperthreads) the CPU cost per request moves by +-30% with what else runs, so only gateways
+measured side by side over the same seconds compare. Not a test: it prints figures.
 """
 
 from __future__ import annotations
@@ -133,6 +134,34 @@ def _measure(
     return n, cpus_s
 
 
+def _measure_together(
+    urls: dict[str, str], pids: dict[str, int], concurrency: int, duration_s: float, body: bytes
+) -> dict[str, tuple[int, float]]:
+    """Drive every gateway at once, so that they share whatever else the machine runs; print
+    and return each one's requests completed and CPU-seconds."""
+    import uvloop
+
+    async def drive_all() -> list[list[float]]:
+        return await asyncio.gather(
+            *(_drive(url, concurrency, duration_s, body) for url in urls.values())
+        )
+
+    cpu_before_s = {name: process_cpu_s(pid) for name, pid in pids.items()}
+    wall_start = time.monotonic()
+    latencies = dict(zip(urls, uvloop.run(drive_all()), strict=True))
+    wall_s = time.monotonic() - wall_start
+    results = {}
+    for name, latencies_s in latencies.items():
+        n = len(latencies_s)
+        cpu_s = process_cpu_s(pids[name]) - cpu_before_s[name]
+        print(
+            f"  gateway of {name}: {n / wall_s:.0f} req/s, {cpu_s:.2f} CPU-s = "
+            f"{cpu_s / max(n, 1) * 1000:.3f} CPU-s per 1000 requests"
+        )
+        results[name] = (n, cpu_s)
+    return results
+
+
 def _start_gateway(
     settings: GatewaySettings, tmp: str, env: dict[str, str] | None
 ) -> subprocess.Popen[bytes]:
@@ -239,17 +268,19 @@ def main() -> int:
                 return 0
             totals = {name: [0, 0.0] for name in gateways}
             for round_ in range(1, args.rounds + 1):
-                for name in reversed(gateways):  # the old one first in every round
-                    print(f"round {round_}, through the gateway of {name}:")
-                    n, cpus_s = _measure(
-                        f"http://127.0.0.1:{ports[name]}/v1/chat/completions",
-                        {"gateway": gateways[name].pid, "upstream": upstream.pid},
-                        args.concurrency,
-                        duration_s,
-                        body,
-                    )
+                print(f"round {round_}, both gateways at once, {args.concurrency} in flight each:")
+                for name, (n, cpu_s) in _measure_together(
+                    {
+                        name: f"http://127.0.0.1:{port}/v1/chat/completions"
+                        for name, port in ports.items()
+                    },
+                    {name: proc.pid for name, proc in gateways.items()},
+                    args.concurrency,
+                    duration_s,
+                    body,
+                ).items():
                     totals[name][0] += n
-                    totals[name][1] += cpus_s["gateway"]
+                    totals[name][1] += cpu_s
             per_1000 = {name: cpu_s / max(n, 1) * 1000 for name, (n, cpu_s) in totals.items()}
             for name, figure in per_1000.items():
                 print(f"gateway of {name}: {figure:.3f} CPU-s per 1000 requests (all rounds)")

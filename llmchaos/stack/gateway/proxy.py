@@ -19,11 +19,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+import aiohttp
 from aiohttp import web
 
 from llmchaos.stack.gateway.metrics import GatewayMetrics
 from llmchaos.stack.gateway.routing import Worker, WorkerPool
-from llmchaos.stack.gateway.upstream import UpstreamClient, UpstreamFailed, UpstreamResponse
 from llmchaos.stack.openai_api import ApiError
 from llmchaos.stack.settings import GatewaySettings
 
@@ -39,7 +39,7 @@ class _Fetched:
     """What an attempt got before anything went to the client."""
 
     worker: Worker
-    upstream: UpstreamResponse
+    upstream: aiohttp.ClientResponse
     headers: dict[str, str]
     body: bytes
     """The whole answer (plain, or a stream that is not 200), else the stream's first chunk."""
@@ -56,22 +56,35 @@ class _AttemptFailed(Exception):
         """The worker's own 5xx answer, returned as it is if no retry succeeds."""
 
 
+def _failure_reason(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "connect_timeout"
+    if isinstance(exc, aiohttp.SocketTimeoutError):
+        return "read_timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect_error"
+    if isinstance(exc, TimeoutError):
+        return "first_byte_timeout"
+    return "disconnect"
+
+
 _HEDGE_BURST = 10.0
 """Hedges that may go out back to back (the token bucket's size)."""
 
 
 class Proxy:
-    """Sends requests to the workers chosen by the pool, over pooled keep-alive connections."""
+    """Sends requests to the workers chosen by the pool, over one shared session."""
 
     def __init__(
-        self, settings: GatewaySettings, pool: WorkerPool, metrics: GatewayMetrics
+        self,
+        settings: GatewaySettings,
+        pool: WorkerPool,
+        metrics: GatewayMetrics,
+        session: aiohttp.ClientSession,
     ) -> None:
         self._pool = pool
         self._metrics = metrics
-        self._client = UpstreamClient(
-            connect_timeout_s=settings.connect_timeout_s,
-            read_timeout_s=settings.stream_idle_timeout_s,
-        )
+        self._session = session
         # no failover, no retry, no hedge: the client gets the first worker's answer
         self._max_retries = max(0, settings.max_retries) if settings.failover else 0
         self._hedge_after_s = max(0.0, settings.hedge_after_s) if settings.failover else 0.0
@@ -80,10 +93,11 @@ class Proxy:
         self._hedge_tokens = _HEDGE_BURST
         self._first_byte_timeout_s = settings.first_byte_timeout_s
         self._gateway_name = settings.name
-
-    def close(self) -> None:
-        """Close the idle upstream connections."""
-        self._client.close()
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=settings.connect_timeout_s,
+            sock_read=settings.stream_idle_timeout_s,
+        )
 
     async def forward(
         self,
@@ -101,15 +115,13 @@ class Proxy:
         Raises ApiError 503 `no_healthy_upstream` when no worker can be tried, 502/504 when
         every attempt failed without an answer.
         """
-        lines = [f"Content-Type: application/json\r\nX-Tenant: {tenant}\r\n"]
+        headers = {"Content-Type": "application/json", "X-Tenant": tenant}
         for name in _PASSED_HEADERS:
             value = request.headers.get(name)
-            # a value that could not be sent again (non-ASCII, bytes aiohttp decoded as
-            # surrogates, control characters) is dropped: tracing is the client's option, not
-            # a reason to fail its request
+            # a value aiohttp could not send again (non-ASCII, bytes it decoded as surrogates)
+            # is dropped: tracing is the client's option, not a reason to fail its request
             if value is not None and value.isascii() and value.isprintable():
-                lines.append(f"{name}: {value}\r\n")
-        headers = "".join(lines).encode()
+                headers[name] = value
         self._hedge_tokens = min(_HEDGE_BURST, self._hedge_tokens + self._hedge_budget_ratio)
         tried: list[Worker] = []
         running: dict[asyncio.Task[_Fetched], tuple[Worker, float]] = {}
@@ -209,8 +221,6 @@ class Proxy:
     async def _cancel(running: dict[asyncio.Task[_Fetched], tuple[Worker, float]]) -> None:
         """Cancel the attempts still running (a hedge's loser, or all when the client went
         away) and give back their connections and their workers' outstanding count."""
-        if not running:  # the usual case: no gather (a future) for nothing
-            return
         tasks = list(running)
         for task in tasks:
             task.cancel()
@@ -222,26 +232,27 @@ class Proxy:
                 result.upstream.release()
 
     async def _fetch(
-        self, worker: Worker, path: str, body: bytes, headers: bytes, stream: bool
+        self, worker: Worker, path: str, body: bytes, headers: dict[str, str], stream: bool
     ) -> _Fetched:
         """One attempt up to the point where the client would first be sent something."""
         try:
-            upstream = await self._client.post(
-                worker.urls[path], headers, body, self._first_byte_timeout_s
-            )
-        except UpstreamFailed as exc:
-            raise _AttemptFailed(exc.reason) from None
+            async with asyncio.timeout(self._first_byte_timeout_s):
+                upstream = await self._session.post(
+                    worker.urls[path], data=body, headers=headers, timeout=self._timeout
+                )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _AttemptFailed(_failure_reason(exc)) from None
         try:
             reply_headers = {
-                "Content-Type": upstream.headers.get("content-type", "application/json"),
+                "Content-Type": upstream.headers.get("Content-Type", "application/json"),
                 "X-Serving-Mode": worker.mode,
-                "X-Worker": upstream.headers.get("x-worker", worker.name),
+                "X-Worker": upstream.headers.get("X-Worker", worker.name),
             }
             streaming = stream and upstream.status == 200
             try:
-                payload = await (upstream.read_chunk() if streaming else upstream.read())
-            except UpstreamFailed as exc:
-                raise _AttemptFailed(exc.reason) from None
+                payload = await (upstream.content.readany() if streaming else upstream.read())
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise _AttemptFailed(_failure_reason(exc)) from None
             if upstream.status >= 500:
                 response = web.Response(body=payload, status=upstream.status, headers=reply_headers)
                 raise _AttemptFailed(f"http_{upstream.status}", response)
@@ -268,6 +279,7 @@ class Proxy:
         fetched.headers["Cache-Control"] = "no-cache"
         response = web.StreamResponse(status=upstream.status, headers=fetched.headers)
         await response.prepare(request)
+        content = upstream.content
         chunk = fetched.body
         while chunk:
             try:
@@ -276,9 +288,9 @@ class Proxy:
                 self._metrics.client_disconnects.inc()
                 return response
             try:
-                chunk = await upstream.read_chunk()
-            except UpstreamFailed as exc:
-                reason = exc.reason
+                chunk = await content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                reason = _failure_reason(exc)
                 self._metrics.broken_streams.inc()
                 self._metrics.upstream_failures.labels(worker=worker.name, reason=reason).inc()
                 self._pool.eject(worker, f"stream broken: {reason}", answered=True)

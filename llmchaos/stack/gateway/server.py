@@ -97,12 +97,12 @@ class Gateway:
         Raises StackError if the token table cannot be read or the address cannot be bound.
         """
         self._db.open()
-        # health checks, engine metrics and discovery; requests go through the proxy's client
+        # one session for every upstream: its connector keeps a keep-alive pool per worker
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        self._proxy = Proxy(self.settings, self.pool, self.metrics)
+        self._proxy = Proxy(self.settings, self.pool, self.metrics, self._session)
         # a first round before listening, so a fresh gateway does not 503 for one interval
         if self.discovery is not None:
             await self.discovery.poll(self._session)
@@ -149,8 +149,6 @@ class Gateway:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
-        if self._proxy is not None:
-            self._proxy.close()
         await self._auth.close()
         self._db.close()
 
