@@ -7,9 +7,9 @@ Starts the default (hardened) stack, then for each QPS step runs the open-loop l
 (`llmchaos.load.LoadRun`, on the same machine) for --step-s seconds and prints achieved QPS,
 P99, error rate and the CPU each component used (cores, from /proc via psutil). The answer is
 the highest step with P99 under 2 s and errors under 1%. Traffic `short` (10-token prompts,
-4 output tokens) measures the software path; `field` (the load's defaults: Zipf prompts over a
-512-token template, median 64 output tokens, 30% streaming) is bound by the two simulated
-GPUs instead. Not a test: figures for the README.
+4 output tokens) measures the software path; `field` (the load's defaults, TrafficSpec: Zipf
+prompts over a 512-token template, median 8 output tokens (log-normal, at most 1024), 30%
+streaming) is bound by the two simulated GPUs instead. Not a test: figures for the README.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import argparse
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -75,17 +74,14 @@ def cpu_seconds(pids: list[int], with_children: bool = False) -> float:
 
 
 def run_step(topology: Topology, qps: float, step_s: float, traffic: str, workers: int) -> dict:
-    config = replace(
-        LoadConfig(
-            url=topology.gateway_url,
-            qps=qps,
-            duration_s=step_s,
-            workers=workers,
-            tokens_file=topology.tokens_file,
-            drain_s=3.0,
-            traffic=TrafficSpec(model=topology.model),
-        ),
-        **TRAFFIC[traffic],
+    config = LoadConfig(
+        url=topology.gateway_url,
+        qps=qps,
+        duration_s=step_s,
+        workers=workers,
+        tokens_file=topology.tokens_file,
+        drain_s=3.0,
+        traffic=TrafficSpec(model=topology.model, **TRAFFIC[traffic]),
     )
     pids = component_pids(topology)
     with LoadRun.start(config) as run:

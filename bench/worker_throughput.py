@@ -1,11 +1,15 @@
 """How many short non-streaming requests one engine-worker process sustains, and its CPU cost.
 
     .venv/bin/python bench/worker_throughput.py [--duration-s 10] [--concurrency 256]
+                                                [--against 5cb083b]
 
 Starts one worker (GPU profile, load_s 0, max_num_seqs 1024 so the simulated batch is not the
 limit) on 127.0.0.1, drives it closed-loop from client processes with aiohttp for a bounded
 time, and prints requests/s, latency percentiles and the worker's CPU-seconds per 1000
-requests (from /proc, so Linux only). Not a test: it prints figures.
+requests (from /proc, so Linux only). `--against REV` also runs a worker from the `llmchaos`
+of git revision REV, the two in turn, `--rounds` times each, and prints both figures and
+their ratio: on a shared machine only figures from one run compare. Not a test: it prints
+figures.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ import time
 from pathlib import Path
 
 import aiohttp
-from _common import cpu_s, free_port, wait_http_ok
+from _common import cpu_s, free_port, tree_at, wait_http_ok
 
-from llmchaos.stack.settings import GPU_PROFILE, WorkerSettings, write_settings
+from llmchaos.stack.settings import GPU_PROFILE, EngineProfile, WorkerSettings, write_settings
 from llmchaos.stack.tokens import make_text
 
 
@@ -75,10 +79,13 @@ def main() -> int:
         default=1.0,
         help="multiply the GPU profile's step and API costs (below 1 finds the process's limit)",
     )
+    parser.add_argument(
+        "--against", metavar="REV", help="also measure the worker of this git revision"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="turns each with --against")
     args = parser.parse_args()
     duration_s = min(args.duration_s, 20.0)
 
-    port = free_port()
     scale = args.cost_scale
     profile = dataclasses.replace(
         GPU_PROFILE,
@@ -91,6 +98,34 @@ def main() -> int:
         decode_base_ms=GPU_PROFILE.decode_base_ms * scale,
         decode_ms_per_seq=GPU_PROFILE.decode_ms_per_seq * scale,
     )
+    print(
+        f"concurrency {args.concurrency}, 16 prompt tokens, max_tokens {args.max_tokens}, "
+        f"cost scale {scale}"
+    )
+    if not args.against:
+        _run_worker(profile, None, args, duration_s)
+        return 0
+    totals: dict[str, list[float]] = {args.against: [0, 0.0], "new": [0, 0.0]}
+    envs = {args.against: tree_at(args.against), "new": None}
+    for round_ in range(1, args.rounds + 1):
+        for name, env in envs.items():
+            print(f"round {round_}, the worker of {name}:")
+            n, worker_cpu_s = _run_worker(profile, env, args, duration_s)
+            totals[name][0] += n
+            totals[name][1] += worker_cpu_s
+    per_1000 = {name: cpu_s / max(n, 1) * 1000 for name, (n, cpu_s) in totals.items()}
+    for name, figure in per_1000.items():
+        print(f"worker of {name}: {figure:.3f} CPU-s per 1000 requests (all rounds)")
+    print(f"new / {args.against}: {per_1000['new'] / per_1000[args.against]:.2f}")
+    return 0
+
+
+def _run_worker(
+    profile: EngineProfile, env: dict[str, str] | None, args: argparse.Namespace, duration_s: float
+) -> tuple[int, float]:
+    """One worker (from the `llmchaos` that `env` imports) under the closed-loop clients;
+    prints and returns the requests completed and the worker's CPU-seconds."""
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         settings_path = write_settings(
             WorkerSettings(name="bench", port=port, profile=profile), Path(tmp) / "worker.json"
@@ -98,6 +133,7 @@ def main() -> int:
         worker = subprocess.Popen(
             [sys.executable, "-m", "llmchaos.stack.worker", "--settings", str(settings_path)],
             stderr=subprocess.DEVNULL,
+            env=env,
         )
         try:
             wait_http_ok(f"http://127.0.0.1:{port}/healthz")
@@ -129,25 +165,21 @@ def main() -> int:
                 worker.wait()
         results = [json.loads(Path(out).read_text()) for out in outs if Path(out).exists()]
     latencies_s = sorted(x for r in results for x in r["latencies_s"])
-    if not latencies_s:
-        print("no request completed")
-        return 1
     n = len(latencies_s)
+    if not n:
+        print("  no request completed")
+        return 0, worker_cpu_s
+    print(f"  {n} requests in {wall_s:.1f} s: {n / wall_s:.0f} req/s")
     print(
-        f"requests: {n} in {wall_s:.1f} s, concurrency {args.concurrency}, "
-        f"16 prompt tokens, max_tokens {args.max_tokens}, cost scale {scale}"
-    )
-    print(f"throughput: {n / wall_s:.0f} req/s")
-    print(
-        f"latency: p50 {latencies_s[n // 2] * 1000:.0f} ms, "
+        f"  latency p50 {latencies_s[n // 2] * 1000:.0f} ms, "
         f"p99 {latencies_s[int(n * 0.99)] * 1000:.0f} ms"
     )
     print(
-        f"worker CPU: {worker_cpu_s:.2f} s = {worker_cpu_s / n * 1000:.2f} CPU-s per 1000 "
+        f"  worker CPU: {worker_cpu_s:.2f} s = {worker_cpu_s / n * 1000:.3f} CPU-s per 1000 "
         f"requests ({worker_cpu_s / wall_s * 100:.0f}% of one core)"
     )
-    print(f"client CPU: {sum(r['cpu_s'] for r in results):.2f} s in {len(results)} process(es)")
-    return 0
+    print(f"  client CPU: {sum(r['cpu_s'] for r in results):.2f} s in {len(results)} process(es)")
+    return n, worker_cpu_s
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import re
 import signal
@@ -38,6 +39,7 @@ __all__ = [
     "port_in_use",
     "scan_stack_processes",
     "set_parent_death_signal",
+    "settle_heap",
     "spawn",
     "stop_pids",
     "stop_stack_processes",
@@ -78,6 +80,23 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+_GC_YOUNG_THRESHOLD = 10_000
+"""Allocations between two collections of the young generation (CPython's default: 700). A
+serving process allocates hundreds of short-lived objects per request; at 700 it collected
+several times per request batch, and every tenth young collection also walked the middle one."""
+
+
+def settle_heap() -> None:
+    """Make the cyclic garbage collector cheap for a serving process; call it once the process
+    has started (imports done, app built). The heap built so far is frozen, so that full
+    collections no longer walk it, and young collections run less often. In a gateway under
+    load the collector took 8% of the CPU (perf, 2026-12-04: gc_collect_main and its visitors);
+    freezing alone left 5%, both together under 0.1%."""
+    gc.collect()  # nothing collectable goes into the frozen generation
+    gc.freeze()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def spawn(

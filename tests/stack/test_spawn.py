@@ -1,9 +1,10 @@
-"""Starting a stack's process when a signal comes at that moment."""
+"""Starting a stack's process when a signal comes at that moment; a serving process's own heap."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,3 +33,16 @@ def test_a_signal_held_while_a_stack_process_starts_stops_that_process(
     for pid in left:  # a failing test does not leave it either
         os.kill(pid, signal.SIGKILL)
     assert not left
+
+
+def test_settle_heap_freezes_the_heap_and_collects_the_young_generation_less_often() -> None:
+    # in a process of its own: the collector's settings are the whole process's
+    code = (
+        "import gc; from llmchaos.stack.procs import settle_heap; "
+        "before = gc.get_threshold()[0]; settle_heap(); "
+        "print(before, gc.get_threshold()[0], gc.get_freeze_count() > 1000)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.split() == ["700", "10000", "True"]

@@ -17,6 +17,7 @@ import uvloop
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.stack.gateway.server import Gateway
+from llmchaos.stack.procs import settle_heap
 from llmchaos.stack.settings import GatewaySettings, load_settings
 
 log = logging.getLogger("llmchaos.stack.gateway")
@@ -33,6 +34,7 @@ async def _serve(settings: GatewaySettings) -> None:
         loop.add_signal_handler(signum, stopping.set)
     gateway = Gateway(settings)
     await gateway.start()
+    settle_heap()
     log.info(
         "gateway %s listening on %s:%d with %d worker(s)",
         settings.name,
