@@ -6,7 +6,7 @@
     actions.resources  throttle_cpu, unthrottle_cpu, oom_kill_worker
     actions.gateway    crash_gateway, restore_gateway
     actions.cache      expire_token_cache
-    actions.load       set_qps, inject_burst, long_prompt_surge
+    actions.load       set_qps, inject_burst, long_prompt_surge, step_load
     actions.node       drain_node
 
 Every fault is written to the run's ledger before it is injected and checked after it (the

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmchaos import faults
+from llmchaos import faults, stepped
 from llmchaos.run import current_run
 
-__all__ = ["inject_burst", "long_prompt_surge", "set_qps"]
+__all__ = ["inject_burst", "long_prompt_surge", "set_qps", "step_load"]
 
 
 def set_qps(qps: float) -> float:
@@ -29,3 +29,13 @@ def long_prompt_surge(
     `prompt_tokens` prompt tokens and `max_tokens` output, for `duration_s`. It fills the
     engines' KV cache (preemptions, queue growth); the load's SLO is judged as usual."""
     return faults.long_prompt_surge(current_run(), qps, duration_s, prompt_tokens, max_tokens)
+
+
+def step_load(
+    start_qps: float, increment_qps: float, max_qps: float, step_s: float
+) -> dict[str, Any]:
+    """The seed's stepped profile: `start_qps`, + `increment_qps` every `step_s`, up to
+    `max_qps`, stopping at the capacity knee. Returns per step offered and achieved QPS, P99,
+    error rate by class and frame drops, the knee step and the sustainable QPS."""
+    profile = stepped.SteppedProfile(start_qps, increment_qps, max_qps, step_s)
+    return stepped.step_load(current_run(), profile).to_dict()

@@ -7,7 +7,7 @@ when the service stops answering. `window_s=0` uses the run's `window_s` setting
 
 from __future__ import annotations
 
-from llmchaos import measure
+from llmchaos import measure, stepped
 from llmchaos.run import current_run
 
 __all__ = [
@@ -17,6 +17,10 @@ __all__ = [
     "goodput_qps",
     "itl_p99_ms",
     "p99_latency_ms",
+    "stepped_error_rate",
+    "stepped_p99_ms",
+    "stepped_unshed_failure_rate",
+    "sustainable_qps_shortfall",
     "tpot_p99_ms",
     "ttft_p99_ms",
     "worst_p99_ms_since_fault",
@@ -74,3 +78,25 @@ def achieved_qps(window_s: float = 0.0) -> float:
 def worst_p99_ms_since_fault() -> float:
     """Highest P99 in ms of any rolling window since the last fault."""
     return measure.worst_p99_ms_since_fault(current_run())
+
+
+def sustainable_qps_shortfall(min_qps: float) -> float:
+    """QPS by which the stepped load's sustainable rate (before its capacity knee) falls
+    short of `min_qps`; 0 when it reaches it, and before `actions.load.step_load` ran."""
+    return stepped.sustainable_qps_shortfall(current_run(), min_qps)
+
+
+def stepped_p99_ms(up_to_qps: float) -> float:
+    """Worst P99 in ms of the stepped load's steps offered at most `up_to_qps`."""
+    return stepped.stepped_p99_ms(current_run(), up_to_qps)
+
+
+def stepped_error_rate(up_to_qps: float) -> float:
+    """Worst SLO error rate of the stepped load's steps offered at most `up_to_qps`."""
+    return stepped.stepped_error_rate(current_run(), up_to_qps)
+
+
+def stepped_unshed_failure_rate() -> float:
+    """Worst share of failures other than 429 of the stepped load's steps from its knee on
+    (an overload should be shed, not time out); 0 without a knee."""
+    return stepped.stepped_unshed_failure_rate(current_run())

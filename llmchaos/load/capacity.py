@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,24 @@ from llmchaos.load.api import LoadRun
 from llmchaos.load.config import LoadConfig
 from llmchaos.load.profiles import stepped_stages
 
-__all__ = ["CapacityResult", "StepResult", "find_knee", "render_svg", "run_capacity", "write_chart"]
+__all__ = [
+    "REPORTED_CLASSES",
+    "CapacityResult",
+    "StepResult",
+    "find_knee",
+    "render_svg",
+    "render_table",
+    "run_capacity",
+    "step_result",
+    "write_chart",
+]
 
 SETTLE_S = 3.0
 """Wait after a step's end before reading it: answers of its last requests arrive late."""
+REPORTED_CLASSES = ("5xx", "timeout", "429")
+"""Failure classes a step reports one by one (the seed's 503, timeout and 429: the load counts
+every 5xx together, and the embedded stack's are 503s); the rest (connection, bad body, other
+4xx) as `other`."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +53,52 @@ class StepResult:
     p99_ms: float | None
     """P99 latency from scheduled time, unanswered requests counted at their age so far."""
     error_rate: float
+    """Failed share of the step's answered requests (every failure class)."""
     dropped: int
+    ok: int = 0
+    """Successful answers of the requests scheduled in the step's read window."""
+    failed: Mapping[str, int] = field(default_factory=dict)
+    """Failed answers by the load's failure class (5xx, 429, timeout, connection, ...)."""
+    frame_drops: int = 0
+    """Gaps of 3 s or more without a successful answer during the whole step."""
+
+    @property
+    def error_rate_by_class(self) -> dict[str, float]:
+        """Failed share of the answered requests by class: 5xx, timeout, 429, other."""
+        answered = self.ok + sum(self.failed.values())
+        counts = {c: self.failed.get(c, 0) for c in REPORTED_CLASSES}
+        counts["other"] = sum(n for c, n in self.failed.items() if c not in REPORTED_CLASSES)
+        return {c: round(n / answered, 5) if answered else 0.0 for c, n in counts.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "offered_qps": self.offered_qps,
+            "achieved_qps": self.achieved_qps,
+            "p99_ms": self.p99_ms,
+            "error_rate": self.error_rate,
+            "error_rate_by_class": self.error_rate_by_class,
+            "ok": self.ok,
+            "failed": dict(self.failed),
+            "dropped": self.dropped,
+            "frame_drops": self.frame_drops,
+        }
+
+
+def step_result(
+    offered_qps: float, window: Mapping[str, Any], whole_step: Mapping[str, Any]
+) -> StepResult:
+    """One step's figures from two of the load's windows: `window` (the step after its
+    warm-up: rates, P99, errors) and `whole_step` (its frame drops, counted from its start)."""
+    return StepResult(
+        offered_qps=offered_qps,
+        achieved_qps=window["ok_completed_qps"],
+        p99_ms=window["latency_with_unanswered_ms"]["p99"],
+        error_rate=window["error_rate"],
+        dropped=window["dropped"],
+        ok=window["ok"],
+        failed={c: n for c, n in window["failed"].items() if n},
+        frame_drops=whole_step["frame_drops"],
+    )
 
 
 @dataclass(frozen=True)
@@ -48,12 +108,20 @@ class CapacityResult:
     """Index of the knee step in `steps`, None when the knee was not reached."""
     sustainable_qps: float
 
+    @classmethod
+    def of_steps(cls, steps: list[StepResult]) -> CapacityResult:
+        """The knee of `steps` and the sustainable QPS: the achieved QPS of the step before the
+        knee, or of the last step when there is no knee."""
+        knee = find_knee(steps)
+        sustainable = steps[knee - 1].achieved_qps if knee is not None else steps[-1].achieved_qps
+        return cls(tuple(steps), knee, sustainable)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "sustainable_qps": self.sustainable_qps,
             "knee_step": self.knee_index,
             "knee_reached": self.knee_index is not None,
-            "steps": [s.__dict__ for s in self.steps],
+            "steps": [s.to_dict() for s in self.steps],
         }
 
 
@@ -79,7 +147,6 @@ def run_capacity(config: LoadConfig, warmup_share: float = 0.3) -> CapacityResul
         config.step_start_qps, config.step_increment_qps, config.step_max_qps, config.step_s
     )
     steps: list[StepResult] = []
-    knee = None
     with LoadRun.start(config) as run:
         start = run.wait_started()
         for i, stage in enumerate(stages):
@@ -88,21 +155,39 @@ def run_capacity(config: LoadConfig, warmup_share: float = 0.3) -> CapacityResul
             from_s = min(math.ceil((i + warmup_share) * config.step_s), to_s - 1)
             time.sleep(max(0.0, start + to_s + SETTLE_S - time.time()))
             w = run.window(since_ts=start + from_s, until_ts=start + to_s)
-            steps.append(
-                StepResult(
-                    offered_qps=stage.qps,
-                    achieved_qps=w["ok_completed_qps"],
-                    p99_ms=w["latency_with_unanswered_ms"]["p99"],
-                    error_rate=w["error_rate"],
-                    dropped=w["dropped"],
-                )
-            )
-            knee = find_knee(steps)
-            if knee is not None:
+            whole = run.window(since_ts=start + i * config.step_s, until_ts=start + to_s)
+            steps.append(step_result(stage.qps, w, whole))
+            if find_knee(steps) is not None:
                 break
         run.stop()
-    sustainable = steps[knee - 1].achieved_qps if knee is not None else steps[-1].achieved_qps
-    return CapacityResult(tuple(steps), knee, sustainable)
+    return CapacityResult.of_steps(steps)
+
+
+def render_table(result: CapacityResult) -> str:
+    """The steps as a fixed-width table (offered and achieved QPS, P99, error rate by class,
+    dropped sends, frame drops), the knee marked, and the sustainable QPS under it."""
+    head = ["step", "offered", "achieved", "p99 ms", "5xx", "timeout", "429", "other"]
+    lines = [" ".join(f"{h:>8}" for h in [*head, "dropped", "frames"])]
+    for i, s in enumerate(result.steps):
+        by_class = s.error_rate_by_class
+        cells = [
+            f"{i + 1}{' knee' if i == result.knee_index else ''}",
+            f"{s.offered_qps:g}",
+            f"{s.achieved_qps:.1f}",
+            "-" if s.p99_ms is None else f"{s.p99_ms:.0f}",
+            *(f"{by_class[c]:.1%}" for c in (*REPORTED_CLASSES, "other")),
+            str(s.dropped),
+            str(s.frame_drops),
+        ]
+        lines.append(" ".join(f"{c:>8}" for c in cells))
+    knee = (
+        f"knee at step {result.knee_index + 1} ({result.steps[result.knee_index].offered_qps:g} "
+        "QPS offered)"
+        if result.knee_index is not None
+        else "no knee within the steps"
+    )
+    lines.append(f"{knee}; sustainable {result.sustainable_qps:.1f} QPS")
+    return "\n".join(lines)
 
 
 def render_svg(result: CapacityResult, title: str = "llmchaos capacity") -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from llmchaos.errors import InvalidInput
 from llmchaos.load.api import LoadRun, master_address, run_worker
+from llmchaos.load.capacity import render_table as render_capacity_table
 from llmchaos.load.capacity import run_capacity, write_chart
 from llmchaos.load.compare import parse_endpoint, render_table, run_comparison, write_outputs
 from llmchaos.load.config import LoadConfig
@@ -206,6 +207,7 @@ def _capacity(args: argparse.Namespace) -> int:
     (out / "capacity.json").write_text(json.dumps(result.to_dict(), indent=2))
     chart = write_chart(result, out / "capacity.svg")
     print(json.dumps(result.to_dict(), indent=2))
+    print(render_capacity_table(result), file=sys.stderr)
     print(f"llmchaos capacity: chart {chart}", file=sys.stderr)
     return 0
 

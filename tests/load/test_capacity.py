@@ -10,7 +10,14 @@ import pytest
 
 from llmchaos.cli import main
 from llmchaos.load.aggregate import Aggregate
-from llmchaos.load.capacity import CapacityResult, StepResult, find_knee, render_svg
+from llmchaos.load.capacity import (
+    CapacityResult,
+    StepResult,
+    find_knee,
+    render_svg,
+    render_table,
+    step_result,
+)
 from llmchaos.load.timeline import Recorder
 
 
@@ -91,3 +98,25 @@ def test_capacity_finds_the_knee_of_a_500_qps_target(fake_server, tmp_path, caps
     assert knee["offered_qps"] > result["sustainable_qps"]
     assert knee["p99_ms"] > 5 * result["steps"][0]["p99_ms"]
     assert (out / "capacity.svg").read_text().startswith("<svg")
+
+
+def test_step_figures_by_class_frame_drops_and_the_knee_table():
+    window = {
+        "ok_completed_qps": 40.0,
+        "latency_with_unanswered_ms": {"p99": 900.0},
+        "error_rate": 0.2,
+        "dropped": 3,
+        "ok": 80,
+        "failed": {"5xx": 10, "timeout": 5, "429": 4, "connection": 1, "bad_body": 0},
+    }
+    s = step_result(50.0, window, {"frame_drops": 2})
+    assert s.error_rate_by_class == {"5xx": 0.1, "timeout": 0.05, "429": 0.04, "other": 0.01}
+    assert (s.frame_drops, s.dropped, s.failed) == (
+        2,
+        3,
+        {"5xx": 10, "timeout": 5, "429": 4, "connection": 1},
+    )
+    result = CapacityResult.of_steps([step(100, 100, 20), step(200, 199, 22), s])
+    assert (result.knee_index, result.sustainable_qps) == (2, 199)
+    table = render_table(result)
+    assert "3 knee" in table and "10.0%" in table and "sustainable 199.0 QPS" in table
