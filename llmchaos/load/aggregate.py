@@ -97,7 +97,6 @@ class Aggregate:
             "in_flight": report["in_flight"],
             "complete_before_s": report["complete_before_s"],
             "final": report["final"],
-            "position_s": report.get("position_s"),
             "seen": time.monotonic(),
             "at_s": self.now_s(),
             "lost": False,
@@ -108,6 +107,11 @@ class Aggregate:
         """Arrivals of its share that the worker's reports hold (0 before its first)."""
         worker = self._workers.get(worker_id)
         return 0 if worker is None else int(worker["scheduled_total"])
+
+    def reported_since(self, worker_id: str, since_mono: float) -> bool:
+        """Whether a report of the worker came at or after `since_mono` (time.monotonic)."""
+        worker = self._workers.get(worker_id)
+        return worker is not None and worker["seen"] >= since_mono
 
     def silent_s(self, worker_id: str) -> float:
         """Seconds since the worker's last report (since time zero if it sent none)."""
@@ -161,17 +165,6 @@ class Aggregate:
         """Scheduling stopped at `at_s` (default now): the run's rates end there."""
         if self.stopped_at_s is None:
             self.stopped_at_s = max(0.0, self.now_s() if at_s is None else at_s)
-
-    def reported_until_s(self) -> float:
-        """How far into the schedule every worker has reported what it sent: the end of a run
-        cut off without the workers' final reports (SIGTERM) is the last point all of them
-        covered, else its rates would divide part of the requests by the whole time."""
-        positions = [
-            w["position_s"]
-            for w in self._workers.values()
-            if w["position_s"] is not None and not w["final"] and not w["lost"]
-        ]
-        return min([self.now_s(), *positions])
 
     def ran_s(self) -> float:
         """Seconds of schedule that really ran: up to the stop, the end, or now."""

@@ -61,6 +61,9 @@ LOCAL_WORKER = "local"
 """The node id of the messages a LocalRunner (master and worker in one) sends itself."""
 QUIT_GRACE_S = 2.0
 """How long a share whose worker quit early stays in `ending` before it is lost (above)."""
+QUIT_REPORT_WAIT_S = 3.0
+"""How long a master that is quitting (SIGTERM) waits for the report each worker sends as it
+stops; a share whose report does not come is counted lost from its last report on."""
 SILENT_WORKER_S = 15.0
 """A worker with a share that sent no report for this long is lost, even if Locust still gets
 its heartbeats (its reports are sent every report_interval_s)."""
@@ -95,6 +98,7 @@ class Controller:
         runner = self.env.runner
         runner.register_message(REPORT_MESSAGE, self.on_report)
         self.env.events.test_start.add_listener(self.on_test_start)
+        self.env.events.quitting.add_listener(self._on_quitting)
         self.env.events.quit.add_listener(self._on_quit)
         if isinstance(runner, MasterRunner):
             # Locust's --processes sets it to the local processes only, remote ones count too;
@@ -365,7 +369,7 @@ class Controller:
         if agg is None or self.state == "done":
             return
         if external and self.state == "running":  # stopped before its end
-            agg.mark_stopped(agg.reported_until_s())
+            agg.mark_stopped()
         for share in self.shares:
             # no final report (deadline, SIGTERM): what its reports do not hold, up to the
             # end of the run, is counted, never silently missing
@@ -378,6 +382,28 @@ class Controller:
         self._write_timeline(agg.final_lines(flush_all=True))
         write_json_atomic(self.summary_path, self.summary())
         self.state = "done"
+
+    def _on_quitting(self, **_: Any) -> None:
+        """Locust is quitting (SIGTERM) before the run's end: the run stops now, and the master
+        waits a bounded while for every worker's stop report. Its rates then divide counts
+        that all end at the stop by the time up to it; without the wait, one worker's counts up
+        to the stop and another's up to its last periodic report were divided by either span
+        (a SIGTERMed 50 QPS run once reported 70)."""
+        agg = self.aggregate
+        if agg is None or self.state != "running":
+            return
+        agg.mark_stopped()
+        self.state = "draining"
+        if not isinstance(self.env.runner, MasterRunner):
+            return  # a local worker reports as Locust stops its user, before `quit`
+        self.env.runner.send_message(CONTROL_MESSAGE, {"stop": True})
+        since = time.monotonic()
+        deadline = since + QUIT_REPORT_WAIT_S
+        while time.monotonic() < deadline and any(
+            s.state in ("running", "ending") and not agg.reported_since(s.key, since)
+            for s in self.shares
+        ):
+            gevent.sleep(0.05)
 
     def _on_quit(self, **_: Any) -> None:
         """Locust quits (SIGTERM, or the end of the run): a run that did not finish still
@@ -413,5 +439,6 @@ def _on_init(environment: Any, **_: Any) -> None:
     if not isinstance(runner, MasterRunner):
         runner.register_message(START_MESSAGE, WORKER.on_start)
         runner.register_message(CONTROL_MESSAGE, WORKER.on_control)
+        environment.events.quitting.add_listener(WORKER.on_quitting)
     if not isinstance(runner, WorkerRunner):
         Controller(environment, config_from_options(environment.parsed_options)).install()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import gevent
@@ -50,10 +51,21 @@ class WorkerState:
         self.start_mono = 0.0
         self.stop = gevent.event.Event()
         self.claimed = False
+        self.report_stop: Callable[[], None] | None = None
+        """Sends the running user's report of a stop (None when no user runs a share)."""
 
     def on_start(self, msg: Any, **_: Any) -> None:
         if not self.start.ready():  # the master sends it more than once (process.py)
             self.start.set(msg.data)
+
+    def on_quitting(self, **_: Any) -> None:
+        """The process quits (SIGTERM): report what was sent so far at once. Locust's worker
+        tells the master it quits in a `quitting` listener of its own, registered earlier and
+        so called after this one, and stops its users only later: reported from the user's
+        exit, the counts would reach the master after the worker had left."""
+        self.stop.set()
+        if self.report_stop is not None:
+            self.report_stop()
 
     def on_control(self, msg: Any, **_: Any) -> None:
         data = msg.data
@@ -98,11 +110,13 @@ class OpenLoopLLMUser(User):
         sender = _Sender(config, traffic, stats_events)
         reporter = gevent.spawn(self._report_loop, sender.recorder, config.report_interval_s)
         completed = False
+        WORKER.report_stop = lambda: self._send_report(sender.recorder, False, abandoned=True)
         try:
             self._run(WORKER.schedule, sender, profile.duration_s)
             self._drain(sender.recorder, config.drain_s)
             completed = True
         finally:
+            WORKER.report_stop = None
             reporter.kill()
             # a user stopped by Locust before its share's end (a rebalance, a quit) says so:
             # the master counts the rest of its share as lost_worker, never silently gone
