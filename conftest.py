@@ -48,12 +48,14 @@ CI_RUN_ENV = {
     "LLMCHAOS_AUTOSCALE_SCALE_DOWN_WINDOW_S": "8",
     "LLMCHAOS_WATCH_TIMEOUT_S": "15",
     "LLMCHAOS_DEGRADED_FOR_S": "6",
+    "LLMCHAOS_STEP_S": "10",
 }
 """Shorter phases when CI is set: 5 s of warm-up instead of 8 (windows still fill); the
 registry down 5 s instead of 15 (the gateways read it every 0.25 s); the autoscaling pulse
 watched 20 s (the limit is 15) and held 10 s once scaled out (one SLO window judged), the
 scale-down window 8 s; the degradation watch 15 s (the queue passes 500 within 8 s) and 6 s
-of the overload in degraded mode."""
+of the overload in degraded mode; the stepped load's steps 10 s instead of 20 (7 s of each
+judged, at 20-120 QPS a few hundred requests)."""
 
 hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 hypothesis_settings.register_profile("dev", deadline=None)

@@ -323,6 +323,16 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
     def report() -> None:
         result = write_run_report(run.facts(summary, frame_drops, recovery), journal)
         print(f"\nllmchaos summary\n{result.table()}\n", flush=True)
+        if (
+            journal is not None
+            and result.verdict == "fail"
+            and journal.get("status") == "completed"
+            and not journal.get("deviated")
+        ):
+            # Chaos Toolkit exits 0 after an action that raised (the fault never went in)
+            # or with a fault not in effect; the verdict is FAIL, and so is the exit code
+            journal["status"] = "failed"
+            run.save_journal(journal)
 
     run.enter_phase("report")
     ok_report, _ = _step("writing the report", report)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from llmchaos import faults
-from llmchaos.configuration import Range, check_ranges
+from llmchaos.configuration import Range
 from llmchaos.errors import InvalidInput
 from llmchaos.files import write_json_atomic
 from llmchaos.load.capacity import (
@@ -68,7 +68,9 @@ class SteppedProfile:
     grow, in it. Frame drops count from the step's start."""
 
     def __post_init__(self) -> None:
-        check_ranges(self, _RANGES)
+        # numbers from `${...}` arrive as strings ("20"): kept as the floats they stand for
+        for name, allowed in _RANGES.items():
+            object.__setattr__(self, name, allowed.check(name, getattr(self, name)))
         if self.max_qps < self.start_qps:
             raise InvalidInput(
                 f"max_qps: expected at least start_qps ({self.start_qps:g}), got {self.max_qps:g}"
@@ -161,14 +163,14 @@ def stepped_error_rate(run: ChaosRun, up_to_qps: float) -> float:
 
 def stepped_unshed_failure_rate(run: ChaosRun) -> float:
     """Worst share of failures other than 429 (5xx, timeout, connection, bad body; dropped
-    sends too) of the steps from the knee on: an overloaded service should shed the excess
-    fast, not let it time out. 0 before the stepped load, and when there was no knee (no
-    overload to judge)."""
+    sends too) of any step: an overloaded service should shed the excess fast, not let it
+    time out. Every step, not only those from the knee on: a queue that collapses and
+    recovers between steps has no knee by the rule, and its timeouts still count. 0 before
+    the stepped load."""
     result = _stepped(run)
-    if result is None or result.knee_index is None:
+    if result is None:
         return 0.0
-    overloaded = result.steps[result.knee_index :]
-    return max(_error_rate(s, UNSHED_CLASSES) for s in overloaded)
+    return max((_error_rate(s, UNSHED_CLASSES) for s in result.steps), default=0.0)
 
 
 def _error_rate(step: StepResult, classes: tuple[str, ...]) -> float:

@@ -97,6 +97,6 @@ def stepped_error_rate(up_to_qps: float) -> float:
 
 
 def stepped_unshed_failure_rate() -> float:
-    """Worst share of failures other than 429 of the stepped load's steps from its knee on
-    (an overload should be shed, not time out); 0 without a knee."""
+    """Worst share of failures other than 429 of any step of the stepped load (an overload
+    should be shed, not time out); 0 before `actions.load.step_load` ran."""
     return stepped.stepped_unshed_failure_rate(current_run())

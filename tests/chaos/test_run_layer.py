@@ -100,7 +100,11 @@ def test_a_fault_that_cannot_be_injected_fails_the_verdict(
 ) -> None:
     monkeypatch.setenv("LLMCHAOS_FAKE_FAIL_INJECTION", "true")
     journal, summary, _ = _run(GPU_KILL, fake_run["runs"])
-    assert journal["status"] == "completed"  # Chaos Toolkit's own word
+    # Chaos Toolkit calls the run completed (and exits 0) after an action that raised; the
+    # control says failed, so `chaos run` exits 1 with the verdict
+    assert journal["status"] == "failed" and not journal["deviated"]
+    saved = json.loads(Path(summary["run_dir"], "journal.json").read_text())
+    assert saved["status"] == "failed"
     assert summary["verdict"] == "fail"
     assert any(
         r.startswith("fault not injected: kill-gpu-0-process failed") for r in summary["reasons"]
@@ -114,7 +118,7 @@ def test_a_fault_that_did_nothing_fails_the_verdict(
     check after the injection tells, and the verdict fails with its evidence."""
     monkeypatch.setenv("LLMCHAOS_FAKE_INEFFECTIVE", "true")
     journal, summary, target = _run(GPU_KILL, fake_run["runs"])
-    assert journal["status"] == "completed" and not journal["deviated"]
+    assert journal["status"] == "failed" and not journal["deviated"]  # exit 1
     assert target.calls == [("kill_gpu_process", {"worker": "gpu-0"})]
     assert summary["verdict"] == "fail"
     assert summary["reasons"] == ["fault not in effect: kill_gpu_process(gpu-0): killed at None"], (
