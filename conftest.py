@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,8 @@ TEST_STACK_CONFIG = StackConfig(port=0, gpu_load_s=1.5, cpu_load_s=0.5, ready_ti
 """Stacks in tests: any free port, short model loads (the restart gap still shows)."""
 
 StackFactory = Callable[..., Topology]
-ExperimentRunner = Callable[[Path, str], ExperimentOutcome]
+ExperimentRunner = Callable[[Path, str, Mapping[str, str]], ExperimentOutcome]
+"""run(experiment file, variant, settings from the environment over CI's)."""
 TMP_ROOT = REPO / "reports" / "pytest"
 ALLURE_RESULTS = REPO / "reports" / "allure-results"
 """Where `pytest suites/` writes Allure results (emptied first) unless --alluredir says
@@ -258,9 +259,9 @@ def suite_dir() -> Path:
 def run_experiment(suite_dir: Path, request: pytest.FixtureRequest) -> ExperimentRunner:
     """Run an experiment file against a variant through `chaos run`, in its own folder."""
 
-    def run(path: Path, variant: str) -> ExperimentOutcome:
+    def run(path: Path, variant: str, env: Mapping[str, str]) -> ExperimentOutcome:
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in request.node.name)
-        extra_env = CI_RUN_ENV if os.environ.get("CI") else {}
+        extra_env = {**(CI_RUN_ENV if os.environ.get("CI") else {}), **env}
         return run_chaos_experiment(
             path, variant=variant, runs_root=suite_dir / name, extra_env=extra_env
         )

@@ -36,11 +36,16 @@ class Case:
     must_pass: bool
     meta: ExperimentMeta | None
     """None when the file could not be read: the test then reports why."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Settings from the environment for this case (LLMCHAOS_QPS=1000, ...)."""
+    label: str = ""
+    """Says what `env` changes, in the case's id and title ("1000qps")."""
 
     @property
     def id(self) -> str:
         kind = "default" if self.must_pass else "negative"
-        return f"{self.path.stem}[{kind}:{self.variant}]"
+        at = f"@{self.label}" if self.label else ""
+        return f"{self.path.stem}{at}[{kind}:{self.variant}]"
 
     def __repr__(self) -> str:  # what Allure shows as the test's parameter
         return self.id
@@ -75,7 +80,8 @@ def _target_variants() -> tuple[str, ...]:
 def check_case(case: Case, run_experiment: ExperimentRunner) -> None:
     """Run `case` through `chaos run` and fail the test unless it reached its verdict."""
     expectation = "must pass" if case.must_pass else "known-bad: must fail"
-    allure.dynamic.title(f"{case.path.stem} on {case.variant} ({expectation})")
+    at = f" at {case.label}" if case.label else ""
+    allure.dynamic.title(f"{case.path.stem}{at} on {case.variant} ({expectation})")
     allure.dynamic.story(case.path.stem)
     problems = validate_experiment_file(case.path)
     if problems or case.meta is None:
@@ -90,7 +96,7 @@ def check_case(case: Case, run_experiment: ExperimentRunner) -> None:
     allure.dynamic.feature(case.meta.fault_type)
     allure.dynamic.severity(case.meta.severity)
     allure.dynamic.tag("negative-control" if not case.must_pass else "default")
-    outcome = run_experiment(case.path, case.variant)
+    outcome = run_experiment(case.path, case.variant, dict(case.env))
     report_outcome(outcome)
     result = outcome.result
     if case.must_pass:

@@ -10,6 +10,7 @@ One test per (experiment, variant). The soak (experiments/soak/) is a suite of i
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,30 @@ EXPERIMENTS_DIR = Path(os.environ.get("LLMCHAOS_EXPERIMENTS_DIR", REPO / "experi
 
 CASES = cases(EXPERIMENTS_DIR)
 
+HIGH_RATE = (
+    ("LLMCHAOS_QPS", "1000"),
+    ("LLMCHAOS_EMBEDDED_MAX_QPS", "1000"),
+    ("LLMCHAOS_PROMPT_TOKENS", "10"),
+    ("LLMCHAOS_CONTEXT_TOKENS", "0"),
+    ("LLMCHAOS_OUTPUT_TOKENS", "4"),
+    ("LLMCHAOS_STREAM_SHARE", "0"),
+)
+"""The same experiment file at 1,000 QPS of short requests (10-token prompts, 4-token
+answers, none streamed): what two simulated GPUs carry with one of them killed (the default
+traffic's 554-token prompts would need 24), so the gateways, HAProxy and the token cache take
+a thousand requests a second through the fault."""
+HIGH_RATE_CASES = [
+    replace(case, env=HIGH_RATE, label="1000qps") for case in CASES if case.path.stem == "gpu_kill"
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_experiment(case: Case, run_experiment: ExperimentRunner) -> None:
+    check_case(case, run_experiment)
+
+
+@pytest.mark.parametrize("case", HIGH_RATE_CASES, ids=[c.id for c in HIGH_RATE_CASES])
+def test_experiment_at_a_high_rate(case: Case, run_experiment: ExperimentRunner) -> None:
+    """The catalogue's files are the same at any rate: gpu_kill at 1,000 QPS passes on the
+    default stack and fails on its known-bad variant."""
     check_case(case, run_experiment)
