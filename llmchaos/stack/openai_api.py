@@ -209,6 +209,14 @@ class GenerationRequest:
     def prompt_tokens(self) -> tuple[int, ...]:
         return tuple(count_tokens(p) for p in self.prompts)
 
+    @property
+    def output_tokens(self) -> int:
+        """The most tokens a sequence may get: max_tokens, else the endpoint's default (the
+        worker may cut the default further to fit the context window)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return DEFAULT_MAX_TOKENS if self.chat else DEFAULT_COMPLETION_MAX_TOKENS
+
 
 def _load_json(raw: bytes) -> dict[str, Any]:
     try:

@@ -305,6 +305,14 @@ class GatewaySettings:
     cpu_queue_allowance_ratio: float = 0.0
     """The same for cpu workers: none. A cpu request takes seconds, so one queued behind a
     full cpu batch would wait past the clients' timeout; beyond the batch the gateway sheds."""
+    cpu_spill_max_tokens: int = 32
+    """While a gpu worker is healthy, only requests for at most this many output tokens
+    (max_tokens, else the endpoint's default) spill to a cpu worker when the gpu workers are
+    full; longer ones wait on a full gpu worker. A cpu worker's full batch takes ~5.3 s for 32
+    tokens and ~9.8 s for 64 (CPU_PROFILE, ~140 ms a token): past `first_byte_timeout_s` (6 s),
+    so a 64-token spill timed out there and its retry ended past the clients' 8 s, while a
+    full gpu worker's queue costs about a second. With no healthy gpu worker the cpu workers
+    take every length: there is nothing faster to wait for."""
     retry_after_s: int = 1
     """`Retry-After` of a 429 when shedding: one second is about one GPU request's duration."""
     redis_timeout_s: float = 1.0

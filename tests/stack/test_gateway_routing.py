@@ -301,6 +301,52 @@ async def test_full_gpu_workers_spill_to_cpu_only_with_fallback(
 
 
 @pytest.mark.asyncio
+async def test_full_gpu_workers_spill_to_cpu_only_answers_it_can_finish_in_time(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    """The stepped_capacity timeouts: at 75 QPS of 64-token answers the gpu workers filled up
+    and the next 16 requests went to cpu-0, which takes ~9.8 s for them (its batch of 16 at
+    ~140 ms a token): all 16 got first_byte_timeout at 6 s and their retry on a gpu worker
+    ended past the clients' 8 s, while their neighbours queued on the gpu workers in ~1.7 s.
+    A long answer waits on a full gpu worker instead; a short one still spills."""
+    gpu, cpu = await upstreams("gpu-0", max_num_seqs=2), await upstreams("cpu-0", mode="cpu")
+    gpu.hold = cpu.hold = asyncio.Event()
+    settings = _settings(
+        redis_server,
+        token_db,
+        [gpu, cpu],
+        worker_queue_allowance_ratio=0.0,  # capacity = max_num_seqs = 2
+        first_byte_timeout_s=5.0,  # the holds must not time out on a busy machine
+        hedge_after_s=0.0,  # nor be hedged
+    )
+    long, short = {**fx.CHAT_BODY, "max_tokens": 64}, {**fx.CHAT_BODY, "max_tokens": 32}
+    async with running_gateway(settings) as gw:
+        await _healthy(gw, gpu=1, cpu=1)
+        replies = [asyncio.ensure_future(gw.chat(body=long)) for _ in range(4)]
+        await _held([gpu, cpu], 4)
+        assert (gpu.in_flight, cpu.in_flight) == (4, 0)  # two of them queued on the full gpu
+        replies.append(asyncio.ensure_future(gw.chat(body=short)))
+        replies.append(asyncio.ensure_future(gw.chat()))  # no max_tokens: the default, 32
+        await _held([gpu, cpu], 6)
+        assert (gpu.in_flight, cpu.in_flight) == (4, 2)
+        gpu.hold.set()
+        modes = [r[1]["X-Serving-Mode"] for r in await asyncio.gather(*replies)]
+    assert modes == ["gpu"] * 4 + ["cpu"] * 2
+
+
+@pytest.mark.asyncio
+async def test_without_a_healthy_gpu_worker_the_cpu_fallback_takes_long_answers_too(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    cpu = await upstreams("cpu-0", mode="cpu")
+    settings = _settings(redis_server, token_db, [refusing_worker(), cpu])
+    async with running_gateway(settings) as gw:
+        await _healthy(gw, gpu=0, cpu=1)
+        status, headers, _ = await gw.chat(body={**fx.CHAT_BODY, "max_tokens": 64})
+    assert (status, headers["X-Serving-Mode"]) == (200, "cpu")
+
+
+@pytest.mark.asyncio
 async def test_queue_over_threshold_is_shed_with_429_and_retry_after(
     redis_server: RedisServer, token_db: Path, upstreams: Upstreams
 ) -> None:

@@ -277,6 +277,12 @@ class Degradation:
         self._answers.inc()
         return cap_max_tokens(body, generation, self._settings.degraded_max_tokens)
 
+    def output_tokens(self, request: web.Request, generation: GenerationRequest) -> int:
+        """The most output tokens the admitted `request` asks for, after admit's cut."""
+        if request.get(_DEGRADED_KEY):
+            return min(generation.output_tokens, self._settings.degraded_max_tokens)
+        return generation.output_tokens
+
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Read the engines every poll interval until cancelled."""
         interval_s = self._settings.poll_interval_s

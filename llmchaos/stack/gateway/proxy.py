@@ -107,10 +107,12 @@ class Proxy:
         stream: bool,
         tenant: str,
         prompt_tokens: int = 0,
+        output_tokens: int = 0,
     ) -> tuple[web.StreamResponse, str]:
         """Proxy one request to `path` of a worker; returns the response sent and the serving
         mode ("none" if no worker answered). A prompt over `hedge_max_prompt_tokens` is never
-        hedged.
+        hedged; `output_tokens` (the most the request asks for) decides whether it may spill
+        to a cpu worker (routing.py).
 
         Raises ApiError 503 `no_healthy_upstream` when no worker can be tried, 502/504 when
         every attempt failed without an answer.
@@ -131,7 +133,7 @@ class Proxy:
         hedge: Worker | None = None
 
         def launch() -> bool:
-            worker = self._pool.select(tried)
+            worker = self._pool.select(tried, output_tokens)
             if worker is None:
                 return False
             tried.append(worker)

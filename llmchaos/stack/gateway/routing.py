@@ -27,9 +27,11 @@ Rules (also in the gateway's README section):
   ones (max_num_seqs read from /healthz).
 - selection: least outstanding (in turn with `round_robin`, a known-bad variant) among
   healthy gpu workers with capacity; else (cpu_fallback)
-  healthy cpu workers with capacity; else the least loaded healthy gpu worker even though it
-  is full (its queue is shorter to wait in than a cpu one), else a full cpu worker; else none
-  (-> 503 no_healthy_upstream). Ties rotate so that an idle pool spreads requests.
+  healthy cpu workers with capacity, for an answer of at most `cpu_spill_max_tokens` while a
+  gpu worker is healthy (a longer one takes a cpu worker past the first-byte timeout); else
+  the least loaded healthy gpu worker even though it is full (its queue is shorter to wait in
+  than a cpu one), else a full cpu worker; else none (-> 503 no_healthy_upstream). Ties
+  rotate so that an idle pool spreads requests.
 - without `failover` (the `no-failover` variant): round-robin over all gpu workers (cpu
   workers only when there is no gpu worker and `cpu_fallback` is on), ignoring health,
   ejection and capacity, and the proxy does not retry: a Kubernetes Service without readiness
@@ -127,6 +129,7 @@ class WorkerPool:
             "cpu": max(0.0, settings.cpu_queue_allowance_ratio),
         }
         self._cpu_fallback = settings.cpu_fallback
+        self._cpu_spill_max_tokens = settings.cpu_spill_max_tokens
         self._failover = settings.failover
         self._set(tuple(Worker(w, self._ratios[w.mode]) for w in settings.workers))
         self._eject_s = settings.eject_s
@@ -158,20 +161,29 @@ class WorkerPool:
     def upstreams(self) -> tuple[UpstreamWorker, ...]:
         return tuple(w.upstream for w in self.workers)
 
-    def select(self, exclude: Collection[Worker] = ()) -> Worker | None:
-        """The worker for the next request (rules in the module docstring), or None."""
+    def select(self, exclude: Collection[Worker] = (), output_tokens: int = 0) -> Worker | None:
+        """The worker for the next request, which asks for up to `output_tokens` (rules in the
+        module docstring), or None."""
         self._rotation += 1
         if not self._failover:
             return self._round_robin(exclude)
         now = time.monotonic()
         chosen = self._least_loaded(self._gpu, now, exclude, within_capacity=True)
-        if chosen is None and self._cpu_fallback:
+        if chosen is None and self._cpu_fallback and self._may_spill(output_tokens, now):
             chosen = self._least_loaded(self._cpu, now, exclude, within_capacity=True)
         if chosen is None:
             chosen = self._least_loaded(self._gpu, now, exclude, within_capacity=False)
         if chosen is None and self._cpu_fallback:
             chosen = self._least_loaded(self._cpu, now, exclude, within_capacity=False)
         return chosen
+
+    def _may_spill(self, output_tokens: int, now: float) -> bool:
+        """Whether a request for `output_tokens` may go to a cpu worker with capacity rather
+        than wait on a full gpu worker: a long answer there outlasts the first-byte timeout
+        (settings.py: `cpu_spill_max_tokens`), unless no gpu worker is healthy at all."""
+        if output_tokens <= self._cpu_spill_max_tokens:
+            return True
+        return not any(w.healthy(now) for w in self._gpu)
 
     def _round_robin(self, exclude: Collection[Worker]) -> Worker | None:
         workers = self._always_eligible

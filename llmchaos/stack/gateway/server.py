@@ -173,7 +173,13 @@ class Gateway:
             body = self.degradation.admit(request, generation, body)
             assert self._proxy is not None
             response, mode = await self._proxy.forward(
-                request, path, body, generation.stream, tenant, sum(generation.prompt_tokens)
+                request,
+                path,
+                body,
+                generation.stream,
+                tenant,
+                sum(generation.prompt_tokens),
+                self.degradation.output_tokens(request, generation),
             )
             status = response.status
             return response
