@@ -444,3 +444,40 @@ async def test_gray_ejections_stop_at_half_of_the_pool(
         a.behaviour = b.behaviour = "ok"
         assert (await gw.chat())[0] == 200
     assert statuses == [500] * 4
+
+
+@pytest.mark.asyncio
+async def test_a_cpu_worker_outrun_by_a_gpu_twin_is_not_ejected(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    """A request spilled to cpu-0 while the gpu workers were full is hedged to a gpu worker
+    that freed up meanwhile and answers at once. The fallback is slow by design, not an
+    outlier among its peers: it stays in (ejected, it went out 5 or 6 times a stepped run)."""
+    gpu0, gpu1 = await upstreams("gpu-0", max_num_seqs=1), await upstreams("gpu-1", max_num_seqs=1)
+    cpu = await upstreams("cpu-0", mode="cpu")
+    gpu0.hold, gpu1.hold, cpu.hold = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    settings = _settings(
+        redis_server,
+        token_db,
+        [gpu0, gpu1, cpu],
+        worker_queue_allowance_ratio=0.0,  # capacity = max_num_seqs = 1
+        hedge_after_s=0.3,
+        first_byte_timeout_s=5.0,
+    )
+    async with running_gateway(settings) as gw:
+        await _healthy(gw, gpu=2, cpu=1)
+        replies = [asyncio.ensure_future(gw.chat()) for _ in range(2)]  # one on each gpu
+        await _held([gpu0, gpu1], 2)
+        spilled = asyncio.ensure_future(gw.chat())
+        await _held([gpu0, gpu1, cpu], 3)
+        assert cpu.in_flight == 1
+        gpu1.hold.set()  # gpu-1 frees up and answers at once: the hedge's twin goes there
+        status, headers, _ = await spilled
+        assert (status, headers["X-Serving-Mode"]) == (200, "gpu")
+        # (the requests held on the gpu workers may have been hedged to cpu-0 too)
+        assert await gw.metric("llmchaos_gateway_hedged_requests_total", winner="hedge") >= 1
+        # gpu-0, still sitting on its request, may be outrun by a twin on gpu-1: ejected
+        assert (await gw.healthy())["cpu"] == 1
+        gpu0.hold.set()
+        cpu.hold.set()
+        await asyncio.gather(*replies)

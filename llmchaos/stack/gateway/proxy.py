@@ -175,7 +175,7 @@ class Proxy:
                         winner = "hedge" if worker is hedge else "first"
                         self._metrics.hedged_requests.labels(winner=winner).inc()
                         if worker is hedge:
-                            self._eject_outrun(running, time.monotonic() - sent_at)
+                            self._eject_outrun(running, worker, time.monotonic() - sent_at)
                     await self._cancel(running)  # the loser, or one that fetched as well
                     try:
                         return await self._deliver(request, fetched), worker.mode
@@ -205,16 +205,23 @@ class Proxy:
         )
 
     def _eject_outrun(
-        self, running: dict[asyncio.Task[_Fetched], tuple[Worker, float]], twin_s: float
+        self,
+        running: dict[asyncio.Task[_Fetched], tuple[Worker, float]],
+        twin: Worker,
+        twin_s: float,
     ) -> None:
         """The hedge answered first: its loser sat on the request for hedge_after_s and more.
         When the twin took less than hedge_after_s, the loser is an outlier among its peers
         (a slow link, a throttled CPU) and is ejected as a gray failure: its health checks
         pass, so it stays out for its ejection time. When the twin was slow too, the whole
-        pool is (an overload): nobody is ejected, which would only shrink it."""
+        pool is (an overload): nobody is ejected, which would only shrink it. A cpu worker
+        outrun by a gpu twin is not an outlier among its peers: it is the fallback, slow by
+        design, and stays in."""
         if twin_s >= self._hedge_after_s:
             return
         for loser, sent_at in running.values():
+            if loser.mode != twin.mode:
+                continue
             reason = f"hedge_timeout (a peer answered in {twin_s:.2f} s)"
             self._pool.eject(loser, reason, answered=True, sent_at=sent_at)
             self._metrics.upstream_failures.labels(worker=loser.name, reason="hedge_timeout").inc()
