@@ -256,12 +256,14 @@ class RunSettings:
             known |= target_kind(name).keys()
         check_known_keys(configuration, known, other_keys)
         target_settings = kind.settings(configuration, environ)
-        return build_settings(
+        run = build_settings(
             cls,
             configuration,
             environ,
             extra={"target": target, "target_settings": target_settings},
         )
+        sized = kind.sized_for(target_settings, run.effective_qps, run.traffic)
+        return run if sized is target_settings else dataclasses.replace(run, target_settings=sized)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

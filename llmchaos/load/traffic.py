@@ -140,6 +140,11 @@ class LengthLaw:
     a: int
     b: int = 0
 
+    @property
+    def mean(self) -> float:
+        """Mean token count (a normal law's mean: its clipping to [1, 4 x mean] is ignored)."""
+        return (self.a + self.b) / 2 if self.kind == "uniform" else float(self.a)
+
     def draw(self, rng: random.Random) -> int:
         if self.kind == "fixed":
             return self.a

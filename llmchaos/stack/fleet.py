@@ -298,10 +298,13 @@ def most_qps_here(layout: FleetLayout) -> float:
     return max(0.0, min(by_gpus, by_gateways, by_cpus))
 
 
-def check_fits_here(layout: FleetLayout, overridden: frozenset[str] = frozenset()) -> None:
-    """Raises InvalidInput naming --qps, what the fleet needs and this machine's limit (the
-    embedded stack's process and namespace budget: StackConfig's limits). A part whose
-    StackConfig field is in `overridden` (given explicitly) is not checked here."""
+def check_fits_here(
+    layout: FleetLayout, overridden: frozenset[str] = frozenset(), rate: str = "--qps"
+) -> None:
+    """Raises InvalidInput naming `rate` (how the user gave it), what the fleet needs and
+    this machine's limit (the embedded stack's process and namespace budget: StackConfig's
+    limits). A part whose StackConfig field is in `overridden` (given explicitly) is not
+    checked here."""
     needs = (
         ("gpu_workers", f"{layout.gpu_workers} GPU workers", layout.gpu_workers, MAX_GPU_WORKERS),
         ("cpu_workers", f"{layout.cpu_workers} CPU workers", layout.cpu_workers, MAX_CPU_WORKERS),
@@ -315,8 +318,8 @@ def check_fits_here(layout: FleetLayout, overridden: frozenset[str] = frozenset(
     for name, what, needed, limit in needs:
         if needed > limit and name not in overridden:
             raise InvalidInput(
-                f"--qps {layout.qps:g}: the fleet needs {what}; this machine runs at most "
-                f"{limit}, so --qps at most {math.floor(most_qps_here(layout))} here with "
-                f"--gpus-per-node {layout.gpus_per_node} (a larger fleet needs a cluster: "
+                f"{rate} {layout.qps:g}: the fleet needs {what}; this machine runs at most "
+                f"{limit}, so {rate} at most {math.floor(most_qps_here(layout))} here with "
+                f"{layout.gpus_per_node} GPUs per node (a larger fleet needs a cluster: "
                 "target k8s)"
             )

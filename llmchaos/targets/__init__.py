@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from llmchaos.configuration import build_settings, settings_from_record, settings_keys
 from llmchaos.errors import InvalidInput
 from llmchaos.ledger import FaultLedger, Undo, Verification
+from llmchaos.load.traffic import TrafficSpec
 from llmchaos.processes import Owner
 
 __all__ = [
@@ -587,6 +588,14 @@ class TargetKind(ABC):
     def max_qps(self, settings: TargetSettings) -> float | None:
         """Highest rate a run sends to this target whatever it asks, None for no cap."""
         return None
+
+    def sized_for(
+        self, settings: TargetSettings, qps: float, traffic: TrafficSpec
+    ) -> TargetSettings:
+        """The settings of a target laid out for `qps` of `traffic` (the rate the run will
+        send), when the settings ask for that; unchanged by default. Raises InvalidInput
+        when this machine cannot hold that target."""
+        return settings
 
     def max_qps_source(self, settings: TargetSettings) -> str:
         """Where that cap is set, for the run's note when it caps a rate."""

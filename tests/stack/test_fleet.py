@@ -12,6 +12,7 @@ import pytest
 from llmchaos.cli import main
 from llmchaos.errors import InvalidInput
 from llmchaos.load.traffic import TrafficModel, TrafficSpec
+from llmchaos.settings import RunSettings
 from llmchaos.stack import netns
 from llmchaos.stack.config import StackConfig
 from llmchaos.stack.fleet import (
@@ -142,6 +143,7 @@ def test_a_fleet_past_this_machine_is_refused_naming_qps_and_the_limit() -> None
     message = str(refused.value)
     assert f"--qps {most + 50}" in message and "GPU workers" in message
     assert "at most 20" in message and f"--qps at most {most}" in message
+    assert "with 2 GPUs per node" in message
     # a part given explicitly is the user's call
     check_fits_here(plan_fleet(5000, SEED), overridden=frozenset({"gpu_workers", "cpu_workers"}))
 
@@ -193,6 +195,33 @@ def test_a_chaos_run_knows_the_fleet_names_before_it_starts() -> None:
     assert info.gpu_workers(node="node-b") == ["gpu-2", "gpu-3"]
     assert info.gateways == ("gateway-primary", "gateway-primary-2", "gateway-backup")
     assert info.gateway_names("primary") == ["gateway-primary"]
+
+
+@pytest.mark.parametrize("qps", [50, 300, 800])
+def test_a_chaos_run_lays_out_the_fleet_for_its_rate_when_asked(qps: float) -> None:
+    """fleet_for_qps: the control's stack is plan_fleet's for the rate the run sends (qps
+    capped at embedded_max_qps) and its traffic; without it, the catalogue's fixed layout."""
+    configuration = {"qps": 5000, "embedded_max_qps": qps}
+    fixed = RunSettings.from_configuration(configuration, {}).target_settings
+    assert isinstance(fixed, EmbeddedSettings)
+    assert (fixed.gpu_workers, fixed.gpus_per_node, fixed.active_gateways) == (2, 1, 1)
+    sized = RunSettings.from_configuration({**configuration, "fleet_for_qps": True}, {})
+    layout = plan_fleet(qps, TrafficShape.of_laws(TrafficSpec()))
+    assert isinstance(sized.target_settings, EmbeddedSettings)
+    assert {k: getattr(sized.target_settings, k) for k in layout.sizes()} == layout.sizes()
+
+
+def test_the_fleet_for_short_requests_is_sized_on_their_lengths() -> None:
+    """Fixed prompt and answer lengths (`prompt_tokens: "10"`) size the fleet, not the default
+    laws they replace: 1,000 QPS of 10-token prompts and 4-token answers fit on 4 GPUs, where
+    the default traffic needs 24 (past this machine's 20: refused, naming the setting)."""
+    short = {"prompt_tokens": "10", "context_tokens": 0, "output_tokens": "uniform:2:6"}
+    base = {"qps": 1000, "embedded_max_qps": 1000, "fleet_for_qps": True}
+    sized = RunSettings.from_configuration({**base, **short}, {}).target_settings
+    assert isinstance(sized, EmbeddedSettings)
+    assert sized.gpu_workers == plan_fleet(1000, TrafficShape(10, 4)).gpu_workers == 4
+    with pytest.raises(InvalidInput, match=r"^fleet_for_qps: qps 1000: the fleet needs 24 GPU"):
+        RunSettings.from_configuration(base, {})
 
 
 def test_an_uneven_last_node_holds_the_rest() -> None:

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from llmchaos.configuration import Range, check_ranges
+from llmchaos.errors import InvalidInput
 from llmchaos.ledger import FaultLedger
+from llmchaos.load.traffic import TrafficSpec, parse_length
 from llmchaos.processes import Owner
 from llmchaos.stack.cleanup import cleanup
 from llmchaos.stack.config import (
@@ -24,6 +26,7 @@ from llmchaos.stack.config import (
     VARIANTS,
     StackConfig,
 )
+from llmchaos.stack.fleet import TrafficShape, check_fits_here, plan_fleet
 from llmchaos.stack.stack import start_stack
 from llmchaos.stack.topology import Topology
 from llmchaos.targets import CleanupRequest, Target, TargetInfo, TargetKind, TargetSettings
@@ -48,6 +51,12 @@ class EmbeddedSettings(TargetSettings):
     active_gateways: int = 1
     """Gateways HAProxy spreads requests over (gateway-primary, gateway-primary-2, ...),
     besides the backup. 1: a gateway crash is the seed's failover to the backup."""
+    fleet_for_qps: bool = False
+    """Lay the stack out for the rate the run sends, as `llmchaos stack up --qps` does
+    (llmchaos.stack.fleet: GPU nodes of 2, N+1; gateways N+1 plus the backup; a CPU pool),
+    instead of `gpu_workers`, `gpus_per_node`, `cpu_workers` and `active_gateways`. Off by
+    default: the catalogue's known-bad variants are built on its fixed layout (one active
+    gateway, two GPU nodes of one), which a sized fleet would make redundant."""
     gpu_load_s: float = 10.0
     """Model-load time of a GPU worker after a restart: the not-ready gap a GPU kill opens. A
     7B model on Kubernetes takes ~45 s (seed); 10 s keeps runs short and still longer than
@@ -148,6 +157,19 @@ class EmbeddedKind(TargetKind):
     def max_qps(self, settings: TargetSettings) -> float | None:
         return _embedded(settings).embedded_max_qps
 
+    def sized_for(
+        self, settings: TargetSettings, qps: float, traffic: TrafficSpec
+    ) -> TargetSettings:
+        embedded = _embedded(settings)
+        if not embedded.fleet_for_qps:
+            return settings
+        layout = plan_fleet(qps, traffic_shape(traffic))
+        try:
+            check_fits_here(layout, rate="qps")
+        except InvalidInput as exc:
+            raise InvalidInput(f"fleet_for_qps: {exc}") from None
+        return dataclasses.replace(embedded, **layout.sizes())
+
     def max_qps_source(self, settings: TargetSettings) -> str:
         return (
             "embedded_max_qps: load, stack and faults share this machine's cores; set "
@@ -187,6 +209,18 @@ class EmbeddedKind(TargetKind):
             dry_run=request.dry_run,
         )
         return report.lines(dry_run=request.dry_run)
+
+
+def traffic_shape(traffic: TrafficSpec) -> TrafficShape:
+    """The mean request of the load's traffic, what the fleet is sized on: the length laws'
+    means, or those of fixed, uniform or normal lengths given instead."""
+    shape = TrafficShape.of_laws(traffic)
+    prompt, output = shape.prompt_tokens, shape.output_tokens
+    if traffic.prompt_tokens is not None:
+        prompt = traffic.context_tokens + parse_length(traffic.prompt_tokens, "prompt_tokens").mean
+    if traffic.output_tokens is not None:
+        output = parse_length(traffic.output_tokens, "output_tokens").mean
+    return TrafficShape(prompt, output)
 
 
 def _embedded(settings: TargetSettings) -> EmbeddedSettings:
