@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/stack_capacity.py [--qps 250,500,1000,1250,1500] [--step-s 15]
                                              [--traffic short|field] [--load-workers 1]
+                                             [--active-gateways 1]
 
 Starts the default (hardened) stack, then for each QPS step runs the open-loop load
 (`llmchaos.load.LoadRun`, on the same machine) for --step-s seconds and prints achieved QPS,
@@ -118,10 +119,17 @@ def main() -> int:
     parser.add_argument("--step-s", type=float, default=15.0)
     parser.add_argument("--traffic", choices=sorted(TRAFFIC), default="short")
     parser.add_argument("--load-workers", type=int, default=1)
+    parser.add_argument(
+        "--active-gateways",
+        type=int,
+        default=1,
+        help="gateways HAProxy spreads requests over, besides the backup (a fleet for N QPS "
+        "has ceil(N / 1000) + 1)",
+    )
     args = parser.parse_args()
     steps = [float(q) for q in args.qps.split(",")]
 
-    topology = start_stack(StackConfig(port=0), progress=True)
+    topology = start_stack(StackConfig(port=0, active_gateways=args.active_gateways), progress=True)
     results = []
     try:
         for qps in steps:
