@@ -35,7 +35,8 @@ def step_load(
     start_qps: float, increment_qps: float, max_qps: float, step_s: float
 ) -> dict[str, Any]:
     """The seed's stepped profile: `start_qps`, + `increment_qps` every `step_s`, up to
-    `max_qps`, stopping at the capacity knee. Returns per step offered and achieved QPS, P99,
-    error rate by class and frame drops, the knee step and the sustainable QPS."""
+    `max_qps` (every step runs, the knee's and those past it too: they show how the service
+    takes the overload). Returns per step offered and achieved QPS, P99, error rate by class
+    and frame drops, the knee step and the sustainable QPS."""
     profile = stepped.SteppedProfile(start_qps, increment_qps, max_qps, step_s)
     return stepped.step_load(current_run(), profile).to_dict()

@@ -321,18 +321,11 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
     _, recovery = _step("reading the target's recovery", run.target_recovery)
 
     def report() -> None:
+        status = (journal or {}).get("status")
         result = write_run_report(run.facts(summary, frame_drops, recovery), journal)
         print(f"\nllmchaos summary\n{result.table()}\n", flush=True)
-        if (
-            journal is not None
-            and result.verdict == "fail"
-            and journal.get("status") == "completed"
-            and not journal.get("deviated")
-        ):
-            # Chaos Toolkit exits 0 after an action that raised (the fault never went in)
-            # or with a fault not in effect; the verdict is FAIL, and so is the exit code
-            journal["status"] = "failed"
-            run.save_journal(journal)
+        if journal is not None and journal.get("status") != status:
+            run.save_journal(journal)  # the report set it failed: a FAIL verdict exits 1
 
     run.enter_phase("report")
     ok_report, _ = _step("writing the report", report)

@@ -130,6 +130,7 @@ def check_case(case: Case, run_experiment: ExperimentRunner) -> None:
             )
         pytest.fail(
             f"{failure_message(outcome)}\n(expected: exit 1 and deviated against "
-            f"{case.variant}; got exit {outcome.exit_code})",
+            f"{case.variant}; got exit {outcome.exit_code}, deviated "
+            f"{(outcome.journal or {}).get('deviated')})",
             pytrace=False,
         )

@@ -63,7 +63,9 @@ QUIT_GRACE_S = 2.0
 """How long a share whose worker quit early stays in `ending` before it is lost (above)."""
 QUIT_REPORT_WAIT_S = 3.0
 """How long a master that is quitting (SIGTERM) waits for the report each worker sends as it
-stops; a share whose report does not come is counted lost from its last report on."""
+stops; a share whose report does not come is counted lost from its last report on. With
+Locust's own 0.5 s after it, well inside the 5 s a stopped load gets before SIGKILL
+(api.py)."""
 SILENT_WORKER_S = 15.0
 """A worker with a share that sent no report for this long is lost, even if Locust still gets
 its heartbeats (its reports are sent every report_interval_s)."""
@@ -396,13 +398,20 @@ class Controller:
         self.state = "draining"
         if not isinstance(self.env.runner, MasterRunner):
             return  # a local worker reports as Locust stops its user, before `quit`
-        self.env.runner.send_message(CONTROL_MESSAGE, {"stop": True})
+        runner = self.env.runner
+        runner.send_message(CONTROL_MESSAGE, {"stop": True})
         since = time.monotonic()
         deadline = since + QUIT_REPORT_WAIT_S
-        while time.monotonic() < deadline and any(
-            s.state in ("running", "ending") and not agg.reported_since(s.key, since)
-            for s in self.shares
-        ):
+
+        def awaited(share: Share) -> bool:
+            # a worker that left has sent all it will: its report comes before its quit
+            return (
+                share.state in ("running", "ending")
+                and runner.clients.get(share.worker) is not None
+                and not agg.reported_since(share.key, since)
+            )
+
+        while time.monotonic() < deadline and any(awaited(s) for s in self.shares):
             gevent.sleep(0.05)
 
     def _on_quit(self, **_: Any) -> None:

@@ -214,7 +214,6 @@ class Recorder:
         """The delta since the last report (and reset). `next_due_s`: the schedule position.
 
         `complete_before_s` tells the master which seconds this worker will not touch again;
-        `position_s` how far its schedule has been reported (None: all of it);
         `scheduled_total` how many arrivals of its share all its reports hold together.
         """
         horizon = [min(self._open)] if self._open else []
@@ -225,7 +224,6 @@ class Recorder:
             "ok_slots": {str(slot): n for slot, n in self._ok_slots.items()},
             "in_flight": self.in_flight,
             "complete_before_s": min(horizon) if horizon else None,
-            "position_s": next_due_s,
             "scheduled_total": self.scheduled_total,
             "final": final,
         }

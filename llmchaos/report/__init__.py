@@ -99,7 +99,9 @@ def _round(value: float | None) -> float | str:
 
 
 def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResult:
-    """Analyse the timeline, write every file of the run folder, return the result."""
+    """Analyse the timeline, write every file of the run folder, return the result. A FAIL
+    verdict on a journal Chaos Toolkit calls completed and not deviated sets its status to
+    failed (in `journal` itself: `chaos run` then exits 1)."""
     s = facts.settings
     slo = Slo(s.p99_slo_ms, s.error_rate_slo, s.error_classes)
     records: list[SecondRecord] = []
@@ -142,6 +144,16 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
         for f in facts.faults
     ]
     verdict, reasons = verdict_of(journal, facts.guard, facts.interrupted_because, faults)
+    if (
+        journal is not None
+        and verdict == "fail"
+        and journal.get("status") == "completed"
+        and not journal.get("deviated")
+    ):
+        # Chaos Toolkit calls a run completed, and exits 0, after an action that raised (the
+        # fault never went in) or with a fault not in effect; the verdict is FAIL, and so are
+        # the journal and the exit code
+        journal["status"] = "failed"
     result = RunResult(
         experiment=facts.name,
         title=facts.title,

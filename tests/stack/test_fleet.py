@@ -209,6 +209,16 @@ def test_a_chaos_run_lays_out_the_fleet_for_its_rate_when_asked(qps: float) -> N
     layout = plan_fleet(qps, TrafficShape.of_laws(TrafficSpec()))
     assert isinstance(sized.target_settings, EmbeddedSettings)
     assert {k: getattr(sized.target_settings, k) for k in layout.sizes()} == layout.sizes()
+    # smaller batches mean less per GPU: more of them
+    small = RunSettings.from_configuration(
+        {**configuration, "fleet_for_qps": True, "gpu_max_num_seqs": 128}, {}
+    ).target_settings
+    assert isinstance(small, EmbeddedSettings)
+    assert small.gpu_workers >= layout.gpu_workers
+    with pytest.raises(InvalidInput, match="fleet_for_qps: cannot be used with autoscale"):
+        RunSettings.from_configuration(
+            {**configuration, "fleet_for_qps": True, "autoscale": True}, {}
+        )
 
 
 def test_the_fleet_for_short_requests_is_sized_on_their_lengths() -> None:

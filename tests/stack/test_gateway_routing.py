@@ -446,6 +446,10 @@ async def test_gray_ejections_stop_at_half_of_the_pool(
     assert statuses == [500] * 4
 
 
+LONG_PROMPT = {**fx.CHAT_BODY, "messages": [{"role": "user", "content": "word " * 200}]}
+"""A prompt over the hedge tests' hedge_max_prompt_tokens (20): never hedged."""
+
+
 @pytest.mark.asyncio
 async def test_a_cpu_worker_outrun_by_a_gpu_twin_is_not_ejected(
     redis_server: RedisServer, token_db: Path, upstreams: Upstreams
@@ -461,23 +465,40 @@ async def test_a_cpu_worker_outrun_by_a_gpu_twin_is_not_ejected(
         token_db,
         [gpu0, gpu1, cpu],
         worker_queue_allowance_ratio=0.0,  # capacity = max_num_seqs = 1
-        hedge_after_s=0.3,
+        hedge_after_s=1.0,
+        hedge_max_prompt_tokens=20,  # the gpu workers' held requests are never hedged
         first_byte_timeout_s=5.0,
     )
     async with running_gateway(settings) as gw:
         await _healthy(gw, gpu=2, cpu=1)
-        replies = [asyncio.ensure_future(gw.chat()) for _ in range(2)]  # one on each gpu
-        await _held([gpu0, gpu1], 2)
+        held = [asyncio.ensure_future(gw.chat(body=LONG_PROMPT)) for _ in range(2)]
+        await _held([gpu0, gpu1], 2)  # one on each gpu worker: both full
         spilled = asyncio.ensure_future(gw.chat())
-        await _held([gpu0, gpu1, cpu], 3)
-        assert cpu.in_flight == 1
-        gpu1.hold.set()  # gpu-1 frees up and answers at once: the hedge's twin goes there
+        await _held([cpu], 1)
+        gpu1.hold.set()  # gpu-1 frees up and answers at once: the twin, 1 s on, goes there
         status, headers, _ = await spilled
         assert (status, headers["X-Serving-Mode"]) == (200, "gpu")
-        # (the requests held on the gpu workers may have been hedged to cpu-0 too)
-        assert await gw.metric("llmchaos_gateway_hedged_requests_total", winner="hedge") >= 1
-        # gpu-0, still sitting on its request, may be outrun by a twin on gpu-1: ejected
-        assert (await gw.healthy())["cpu"] == 1
+        assert await gw.metric("llmchaos_gateway_hedged_requests_total", winner="hedge") == 1
+        assert await gw.healthy() == {"gpu": 2, "cpu": 1}
         gpu0.hold.set()
         cpu.hold.set()
-        await asyncio.gather(*replies)
+        await asyncio.gather(*held)
+
+
+@pytest.mark.asyncio
+async def test_a_gpu_worker_outrun_by_a_cpu_twin_is_ejected(
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+) -> None:
+    """The other way round it is a gray failure: a gpu worker that sits on a short answer the
+    cpu fallback gives within hedge_after_s is an outlier (a throttled GPU, a slow link)."""
+    gpu, cpu = await upstreams("gpu-0"), await upstreams("cpu-0", mode="cpu")
+    gpu.hold = asyncio.Event()
+    settings = _settings(
+        redis_server, token_db, [gpu, cpu], hedge_after_s=0.5, first_byte_timeout_s=5.0
+    )
+    async with running_gateway(settings) as gw:
+        await _healthy(gw, gpu=1, cpu=1)
+        status, headers, _ = await gw.chat()
+        assert (status, headers["X-Serving-Mode"]) == (200, "cpu")
+        assert await gw.healthy() == {"gpu": 0, "cpu": 1}
+        gpu.hold.set()

@@ -220,7 +220,7 @@ class Proxy:
         if twin_s >= self._hedge_after_s:
             return
         for loser, sent_at in running.values():
-            if loser.mode != twin.mode:
+            if loser.mode == "cpu" and twin.mode == "gpu":
                 continue
             reason = f"hedge_timeout (a peer answered in {twin_s:.2f} s)"
             self._pool.eject(loser, reason, answered=True, sent_at=sent_at)

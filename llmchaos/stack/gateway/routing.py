@@ -169,21 +169,16 @@ class WorkerPool:
             return self._round_robin(exclude)
         now = time.monotonic()
         chosen = self._least_loaded(self._gpu, now, exclude, within_capacity=True)
-        if chosen is None and self._cpu_fallback and self._may_spill(output_tokens, now):
+        # a long answer spilled to a cpu worker outlasts the first-byte timeout there: it waits
+        # on a full gpu worker instead (with no healthy gpu worker, the cpu step below takes it)
+        spill = output_tokens <= self._cpu_spill_max_tokens
+        if chosen is None and self._cpu_fallback and spill:
             chosen = self._least_loaded(self._cpu, now, exclude, within_capacity=True)
         if chosen is None:
             chosen = self._least_loaded(self._gpu, now, exclude, within_capacity=False)
         if chosen is None and self._cpu_fallback:
             chosen = self._least_loaded(self._cpu, now, exclude, within_capacity=False)
         return chosen
-
-    def _may_spill(self, output_tokens: int, now: float) -> bool:
-        """Whether a request for `output_tokens` may go to a cpu worker with capacity rather
-        than wait on a full gpu worker: a long answer there outlasts the first-byte timeout
-        (settings.py: `cpu_spill_max_tokens`), unless no gpu worker is healthy at all."""
-        if output_tokens <= self._cpu_spill_max_tokens:
-            return True
-        return not any(w.healthy(now) for w in self._gpu)
 
     def _round_robin(self, exclude: Collection[Worker]) -> Worker | None:
         workers = self._always_eligible

@@ -26,7 +26,8 @@ from llmchaos.stack.config import (
     VARIANTS,
     StackConfig,
 )
-from llmchaos.stack.fleet import TrafficShape, check_fits_here, plan_fleet
+from llmchaos.stack.fleet import FleetSettings, TrafficShape, check_fits_here, plan_fleet
+from llmchaos.stack.settings import GPU_PROFILE
 from llmchaos.stack.stack import start_stack
 from llmchaos.stack.topology import Topology
 from llmchaos.targets import CleanupRequest, Target, TargetInfo, TargetKind, TargetSettings
@@ -52,11 +53,13 @@ class EmbeddedSettings(TargetSettings):
     """Gateways HAProxy spreads requests over (gateway-primary, gateway-primary-2, ...),
     besides the backup. 1: a gateway crash is the seed's failover to the backup."""
     fleet_for_qps: bool = False
-    """Lay the stack out for the rate the run sends, as `llmchaos stack up --qps` does
-    (llmchaos.stack.fleet: GPU nodes of 2, N+1; gateways N+1 plus the backup; a CPU pool),
-    instead of `gpu_workers`, `gpus_per_node`, `cpu_workers` and `active_gateways`. Off by
-    default: the catalogue's known-bad variants are built on its fixed layout (one active
-    gateway, two GPU nodes of one), which a sized fleet would make redundant."""
+    """Lay the stack out for the rate the run starts with (`qps` capped at
+    `embedded_max_qps`; not a later `set_qps`, burst or stepped peak) and its traffic, as
+    `llmchaos stack up --qps` does (llmchaos.stack.fleet: GPU nodes of 2 with batches of
+    `gpu_max_num_seqs`, N+1; gateways N+1 plus the backup; a CPU pool). It replaces
+    `gpu_workers`, `gpus_per_node`, `cpu_workers` and `active_gateways`; not with
+    `autoscale`. Off by default: the catalogue's known-bad variants are built on its fixed
+    layout (one active gateway, two GPU nodes of one), which a sized fleet makes redundant."""
     gpu_load_s: float = 10.0
     """Model-load time of a GPU worker after a restart: the not-ready gap a GPU kill opens. A
     7B model on Kubernetes takes ~45 s (seed); 10 s keeps runs short and still longer than
@@ -163,11 +166,20 @@ class EmbeddedKind(TargetKind):
         embedded = _embedded(settings)
         if not embedded.fleet_for_qps:
             return settings
-        layout = plan_fleet(qps, traffic_shape(traffic))
+        if embedded.autoscale:
+            raise InvalidInput(
+                "fleet_for_qps: cannot be used with autoscale (the autoscaler sizes the GPU "
+                "pool itself); set one of them false"
+            )
+        gpu = dataclasses.replace(GPU_PROFILE, max_num_seqs=embedded.gpu_max_num_seqs)
+        layout = plan_fleet(qps, _traffic_shape(traffic), FleetSettings(gpu_profile=gpu))
         try:
             check_fits_here(layout, rate="qps")
         except InvalidInput as exc:
-            raise InvalidInput(f"fleet_for_qps: {exc}") from None
+            raise InvalidInput(
+                f"fleet_for_qps: {exc}; qps as capped at embedded_max_qps, or set "
+                "fleet_for_qps false"
+            ) from None
         return dataclasses.replace(embedded, **layout.sizes())
 
     def max_qps_source(self, settings: TargetSettings) -> str:
@@ -211,7 +223,7 @@ class EmbeddedKind(TargetKind):
         return report.lines(dry_run=request.dry_run)
 
 
-def traffic_shape(traffic: TrafficSpec) -> TrafficShape:
+def _traffic_shape(traffic: TrafficSpec) -> TrafficShape:
     """The mean request of the load's traffic, what the fleet is sized on: the length laws'
     means, or those of fixed, uniform or normal lengths given instead."""
     shape = TrafficShape.of_laws(traffic)
