@@ -23,8 +23,6 @@ pytestmark = pytest.mark.resilience
 EXPERIMENTS_DIR = Path(os.environ.get("LLMCHAOS_EXPERIMENTS_DIR", REPO / "experiments"))
 """The catalogue; another folder can be given (the framework's own tests do)."""
 
-CASES = cases(EXPERIMENTS_DIR)
-
 HIGH_RATE = (
     ("LLMCHAOS_QPS", "1000"),
     ("LLMCHAOS_EMBEDDED_MAX_QPS", "1000"),
@@ -33,22 +31,18 @@ HIGH_RATE = (
     ("LLMCHAOS_OUTPUT_TOKENS", "4"),
     ("LLMCHAOS_STREAM_SHARE", "0"),
 )
-"""The same experiment file at 1,000 QPS of short requests (10-token prompts, 4-token
-answers, none streamed): what two simulated GPUs carry with one of them killed (the default
-traffic's 554-token prompts would need 24), so the gateways, HAProxy and the token cache take
-a thousand requests a second through the fault."""
-HIGH_RATE_CASES = [
+"""gpu_kill's file again at 1,000 QPS of short requests (10-token prompts, 4-token answers,
+none streamed): what two simulated GPUs carry with one of them killed (the default traffic's
+554-token prompts would need 24), so the gateways, HAProxy and the token cache take a
+thousand requests a second through the fault. The catalogue's files are the same at any
+rate: it must pass on the default stack and fail on its known-bad variant there too."""
+
+CASES = cases(EXPERIMENTS_DIR)
+CASES += [
     replace(case, env=HIGH_RATE, label="1000qps") for case in CASES if case.path.stem == "gpu_kill"
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_experiment(case: Case, run_experiment: ExperimentRunner) -> None:
-    check_case(case, run_experiment)
-
-
-@pytest.mark.parametrize("case", HIGH_RATE_CASES, ids=[c.id for c in HIGH_RATE_CASES])
-def test_experiment_at_a_high_rate(case: Case, run_experiment: ExperimentRunner) -> None:
-    """The catalogue's files are the same at any rate: gpu_kill at 1,000 QPS passes on the
-    default stack and fails on its known-bad variant."""
     check_case(case, run_experiment)
