@@ -115,7 +115,7 @@ def test_two_game_days_give_a_report_with_both_in_its_trends(tmp_path: Path) -> 
                 str(BIN / "llmchaos"),
                 "gameday",
                 "--select",
-                "gpu_kill and default and not all",
+                "gpu_kill and default and not all and not qps",
                 "--root",
                 str(root),
             ],
@@ -198,7 +198,12 @@ def test_an_interrupted_game_day_stops_its_running_experiment(tmp_path: Path) ->
     """SIGTERM to `llmchaos gameday` mid-experiment: pytest gets a Ctrl-C, the runner stops
     its `chaos run` (own session) cleanly, and nothing of the run is left."""
     root = tmp_path / "gameday"
-    argv = [str(BIN / "llmchaos"), "gameday", "--select", "gpu_kill and default and not all"]
+    argv = [
+        str(BIN / "llmchaos"),
+        "gameday",
+        "--select",
+        "gpu_kill and default and not all and not qps",
+    ]
     proc = subprocess.Popen(
         [*argv, "--root", str(root)],
         cwd=REPO,
