@@ -77,6 +77,8 @@ class SecondRecord:
     dropped: int = 0
     unanswered: int = 0
     """Still in flight when the record was read (0 in a finished timeline)."""
+    lost_worker: int = 0
+    """Arrivals of a load worker that was lost before it sent them (distributed load)."""
     modes: dict[str, int] = field(default_factory=dict)
     latency: LogHistogram = field(default_factory=LogHistogram)
     stream_p99_ms: dict[str, float | None] = field(default_factory=dict)
@@ -99,6 +101,7 @@ class SecondRecord:
             failed={str(k): int(v) for k, v in line.get("failed", {}).items()},
             dropped=int(line.get("dropped", 0)),
             unanswered=int(line.get("unanswered", 0)),
+            lost_worker=int(line.get("lost_worker", 0)),
             modes={str(k): int(v) for k, v in line.get("modes", {}).items()},
             latency=LogHistogram.from_json(hist) if hist else LogHistogram(),
             stream_p99_ms={

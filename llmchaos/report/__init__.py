@@ -75,6 +75,7 @@ def _write_csv(
     out.writerow(
         [
             *("ts", "scheduled", "ok", *(f"failed_{c}" for c in classes), "dropped"),
+            *("lost_worker", "unanswered"),
             *("p50_ms", "p99_ms", "ttft_p99_ms", "itl_p99_ms", "tpot_p99_ms", "gpu", "cpu"),
             *("window_p99_ms", "window_error_rate", "window_meets_slo"),
         ]
@@ -84,7 +85,7 @@ def _write_csv(
         out.writerow(
             [
                 *(r.ts, r.scheduled, r.ok, *(r.failed.get(c, 0) for c in classes)),
-                r.dropped,
+                *(r.dropped, r.lost_worker, r.unanswered),
                 *(_round(r.latency.quantile(0.5)), _round(r.latency.quantile(0.99))),
                 *(_round(r.stream_p99_ms.get(n)) for n in ("ttft_ms", "itl_ms", "tpot_ms")),
                 *(r.modes.get("gpu", 0), r.modes.get("cpu", 0)),

@@ -92,7 +92,9 @@ def test_the_report_shows_the_load_s_stream_timings_and_rates(tmp_path: Path) ->
         )  # fmt: skip
     merge_report(agg.seconds, agg.ok_slots, rec.take_report(None, final=True))
     timeline = tmp_path / "timeline.jsonl"
-    timeline.write_text("".join(json.dumps(agg.line(s, agg.seconds[s])) + "\n" for s in (0, 1)))
+    lines = [agg.line(s, agg.seconds[s]) for s in (0, 1)]
+    lines[1] |= {"scheduled": lines[1]["scheduled"] + 3, "lost_worker": 3}  # a worker lost
+    timeline.write_text("".join(json.dumps(line) + "\n" for line in lines))
     facts = RunFacts(
         name="x", title="X", run_dir=tmp_path, settings=RunSettings(), qps_run=2.0, faults=[],
         load_start_ts=1_000_000.0, timeline_path=timeline, load_summary=agg.summary(),
@@ -102,6 +104,12 @@ def test_the_report_shows_the_load_s_stream_timings_and_rates(tmp_path: Path) ->
     write_run_report(facts, None)
     rows = list(csv.DictReader((tmp_path / "timeline.csv").open()))
     assert [r["ttft_p99_ms"] for r in rows] == ["120.0", "120.0"]
+    # every scheduled request is in one column: the accounting closes row by row
+    for row in rows:
+        counted = ("ok", "dropped", "lost_worker", "unanswered")
+        failed = sum(int(v) for k, v in row.items() if k.startswith("failed_"))
+        assert int(row["scheduled"]) == sum(int(row[k]) for k in counted) + failed, row
+    assert [r["lost_worker"] for r in rows] == ["0", "3"]
     assert rows[0]["tpot_p99_ms"] and rows[0]["itl_p99_ms"]
     page = (tmp_path / "report.html").read_text()
     assert "TPOT ((e2e - TTFT) / (tokens - 1))" in page and "goodput 1 QPS" in page
