@@ -242,14 +242,18 @@ async def test_loading_worker_gets_no_traffic_until_ready(
     assert len(loading.received) == 2
 
 
+@pytest.mark.parametrize("max_tokens", [None, 64])
 @pytest.mark.asyncio
 async def test_cpu_fallback_serves_when_no_gpu_worker_is_up(
-    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
+    redis_server: RedisServer, token_db: Path, upstreams: Upstreams, max_tokens: int | None
 ) -> None:
+    """Long answers too (64 tokens, past cpu_spill_max_tokens): with no gpu worker healthy
+    the cpu fallback takes every length."""
     cpu = await upstreams("cpu-0", mode="cpu")
     settings = _settings(redis_server, token_db, [refusing_worker(), cpu])
+    body = fx.CHAT_BODY if max_tokens is None else {**fx.CHAT_BODY, "max_tokens": max_tokens}
     async with running_gateway(settings) as gw:
-        status, headers, _ = await gw.chat()
+        status, headers, _ = await gw.chat(body=body)
         assert await gw.metric(REQUESTS, mode="cpu", code="200") == 1
     assert (status, headers["X-Serving-Mode"], headers["X-Worker"]) == (200, "cpu", "cpu-0")
 
@@ -332,18 +336,6 @@ async def test_full_gpu_workers_spill_to_cpu_only_answers_it_can_finish_in_time(
         gpu.hold.set()
         modes = [r[1]["X-Serving-Mode"] for r in await asyncio.gather(*replies)]
     assert modes == ["gpu"] * 4 + ["cpu"] * 2
-
-
-@pytest.mark.asyncio
-async def test_without_a_healthy_gpu_worker_the_cpu_fallback_takes_long_answers_too(
-    redis_server: RedisServer, token_db: Path, upstreams: Upstreams
-) -> None:
-    cpu = await upstreams("cpu-0", mode="cpu")
-    settings = _settings(redis_server, token_db, [refusing_worker(), cpu])
-    async with running_gateway(settings) as gw:
-        await _healthy(gw, gpu=0, cpu=1)
-        status, headers, _ = await gw.chat(body={**fx.CHAT_BODY, "max_tokens": 64})
-    assert (status, headers["X-Serving-Mode"]) == (200, "cpu")
 
 
 @pytest.mark.asyncio
