@@ -356,7 +356,7 @@ class Controller:
             ended = all(s.state in ("done", "lost") for s in self.shares)
             if ended or agg.now_s() >= deadline_s:
                 break
-        self._finish(external=False)
+        self._finish()
         gevent.sleep(_TICK_S)  # let a reader of /status see "done"
         if self.server is not None:
             self.server.stop(timeout=1)
@@ -364,14 +364,12 @@ class Controller:
             self.env.web_ui.stop()
         self.env.runner.quit()
 
-    def _finish(self, *, external: bool) -> None:
-        """Write the rest of the timeline and the summary (once). `external`: Locust quits
-        (SIGTERM) before the run's own end."""
+    def _finish(self) -> None:
+        """Write the rest of the timeline and the summary (once). A run Locust quits before
+        its end was marked stopped by `_on_quitting`, which Locust calls before `quit`."""
         agg = self.aggregate
         if agg is None or self.state == "done":
             return
-        if external and self.state == "running":  # stopped before its end
-            agg.mark_stopped()
         for share in self.shares:
             # no final report (deadline, SIGTERM): what its reports do not hold, up to the
             # end of the run, is counted, never silently missing
@@ -418,7 +416,7 @@ class Controller:
         """Locust quits (SIGTERM, or the end of the run): a run that did not finish still
         leaves its timeline and a summary whose rates cover the time it ran. `quit` comes
         after the runner stopped its users, so a local run's last report is in."""
-        self._finish(external=True)
+        self._finish()
 
     def _write_timeline(self, lines: list[dict[str, Any]]) -> None:
         if not lines:
