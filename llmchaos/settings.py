@@ -93,7 +93,7 @@ def argument_ranges(settings: RunSettings) -> dict[str, Range]:
         # gray failures and resource faults
         "slowdown": Range(1, 1000),
         "xid": Range(1, 1000),
-        "cpu_percent": Range(0, 100 * (os.cpu_count() or 1), low_open=True),
+        "cpu_percent": Range(0.1, 100 * (os.cpu_count() or 1)),  # 0.1%: 1 ms per 1 s
         "limit_mib": Range(1, 1 << 20),
         "grow_mib_s": Range(0, 1 << 14, low_open=True),
         "delay_ms": Range(0, 60_000),

@@ -337,6 +337,21 @@ class Controller:
         self.stop()
 
     def _lifecycle(self) -> None:
+        """Run to the end, write the rest, quit. The quit happens whatever failed before it:
+        with its folder deleted under it the run cannot write, but must not keep loading the
+        target, idle in Locust's loop, with nobody left to stop it."""
+        try:
+            self._run_to_end()
+        except OSError as exc:
+            logger.error("llmchaos load: cannot write the run's files (%s); stopping", exc)
+        finally:
+            if self.server is not None:
+                self.server.stop(timeout=1)
+            if getattr(self.env, "web_ui", None) is not None:
+                self.env.web_ui.stop()
+            self.env.runner.quit()
+
+    def _run_to_end(self) -> None:
         agg = self.aggregate
         assert agg is not None
         slack_s = self.config.drain_s + 3 * self.config.report_interval_s + 2.0
@@ -358,11 +373,6 @@ class Controller:
                 break
         self._finish()
         gevent.sleep(_TICK_S)  # let a reader of /status see "done"
-        if self.server is not None:
-            self.server.stop(timeout=1)
-        if getattr(self.env, "web_ui", None) is not None:
-            self.env.web_ui.stop()
-        self.env.runner.quit()
 
     def _finish(self) -> None:
         """Write the rest of the timeline and the summary (once). A run Locust quits before

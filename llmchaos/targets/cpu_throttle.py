@@ -15,10 +15,14 @@ from typing import Any
 from llmchaos.ledger import Verification
 from llmchaos.stack import cgroups
 
-__all__ = ["CPU_PERIOD_US", "throttle", "unthrottle", "verify_throttle"]
+__all__ = ["CPU_PERIOD_US", "cpu_max", "throttle", "unthrottle", "verify_throttle"]
 
 CPU_PERIOD_US = 100_000
 """CFS enforcement period (the kernel's default, 100 ms): the quota is a share of it."""
+MIN_QUOTA_US = 1000
+"""The kernel's floor for a quota (1 ms): below 1% the period grows instead."""
+MAX_PERIOD_US = 1_000_000
+"""The kernel's ceiling for a period (1 s): 0.1% of a CPU is the least a cap can give."""
 _THROTTLE_CHECK_S = 5.0
 """How long the check waits for the throttling counters to rise (they need the process to
 want more CPU than its quota: under the run's load that takes a period or two)."""
@@ -28,11 +32,11 @@ def throttle(cgroup_name: str, part: str, pids: list[int], cpu_percent: float) -
     """Move `pids` (a process and its children: a server whose engine runs in a child is
     throttled whole) into cgroup `cgroup_name` capped at `cpu_percent` of one CPU; returns
     the ledger's details. Raises StackError when the kernel refuses."""
-    quota_us = max(1000, round(CPU_PERIOD_US * cpu_percent / 100))  # the kernel's floor: 1 ms
+    quota_us, period_us = cpu_max(cpu_percent)
     group = cgroups.create("cpu", cgroup_name, pids[0])
     for pid in pids[1:]:
         group.add(pid)
-    group.set_cpu_max(quota_us, CPU_PERIOD_US)
+    group.set_cpu_max(quota_us, period_us)
     return {
         "part": part,
         "pid": pids[0],
@@ -40,9 +44,19 @@ def throttle(cgroup_name: str, part: str, pids: list[int], cpu_percent: float) -
         "cgroup": str(group.path),
         "cgroup_version": group.version,
         "quota_us": quota_us,
-        "period_us": CPU_PERIOD_US,
+        "period_us": period_us,
         "cpu_stat_before": group.cpu_stat(),
     }
+
+
+def cpu_max(cpu_percent: float) -> tuple[int, int]:
+    """(quota_us, period_us) for `cpu_percent` of one CPU: the default 100 ms period, or a
+    longer one where the quota would fall under the kernel's 1 ms floor (0.5%: 1 ms per
+    200 ms), so a cap under 1% is what was asked and not silently 1%."""
+    quota_us = round(CPU_PERIOD_US * cpu_percent / 100)
+    if quota_us >= MIN_QUOTA_US:
+        return quota_us, CPU_PERIOD_US
+    return MIN_QUOTA_US, min(MAX_PERIOD_US, round(MIN_QUOTA_US * 100 / cpu_percent))
 
 
 def unthrottle(cgroup_name: str) -> None:

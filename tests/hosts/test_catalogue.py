@@ -6,10 +6,10 @@ known-bad variant fails, for reasons their documented behaviour explains.
   fallback) the killed worker's requests are retried on the other deployment: 0 failed. With
   `num_retries: 0` and `disable_cooldowns: true` (no-failover) every request that picks the dead,
   then loading (503), deployment fails until it serves again, 20 s after the kill.
-- LiteLLM 1.108.7, cpu_throttle (gpu-0 at 1% of a CPU): with `latency-based-routing` (the tuned
-  settings otherwise) the slowed deployment got 2% and 15% of the requests after the throttle;
-  the tuned settings route with `simple-shuffle`, which ignores latency: 47% and 53%, so the
-  run fails on the share probe, nothing else (no request fails either way).
+- LiteLLM 1.108.7, cpu_throttle (gpu-0 at 0.5% of a CPU): with `latency-based-routing` (the
+  tuned settings otherwise) the slowed deployment got none of the requests after the
+  throttle; the tuned settings route with `simple-shuffle`, which ignores latency: 38-50%, so
+  the run fails on the share probe.
 - nginx 1.22, gateway_crash: the front door's `proxy_next_upstream ... non_idempotent` and
   `backup` gateway take the primary's requests; without the backup (no-backup-gateway) the
   front door answers 502 until the rollback restarts the primary.
@@ -28,11 +28,18 @@ from tests.hosts.conftest import LITELLM_EXAMPLE, NGINX_EXAMPLE
 pytestmark = pytest.mark.slow
 
 
+# 1% of a CPU (1 ms per 100 ms) barely slows a worker taking half of LiteLLM's 8 QPS: its
+# median answer stayed as fast, and latency-based routing sent it 0-40% of the requests from
+# run to run (README, "The hosts target"). At 0.5% (1 ms per 200 ms) it falls behind.
+HOSTS_CPU_PERCENT = "0.5"
+
+
 def _run(experiment: str, hosts_file: Path, variant: str, tmp_path: Path) -> ExperimentOutcome:
     env = {
         "LLMCHAOS_TARGET": "hosts",
         "LLMCHAOS_HOSTS_FILE": str(hosts_file),
         "LLMCHAOS_HOSTS_STATE_ROOT": str(tmp_path / "hosts"),
+        "LLMCHAOS_CPU_PERCENT": HOSTS_CPU_PERCENT,
     }
     return run_experiment(
         REPO / "experiments" / f"{experiment}.json",
@@ -81,10 +88,9 @@ def test_known_good_passes_and_known_bad_fails(
     if passes:
         assert outcome.exit_code == 0 and result.verdict == "pass", result.reasons
         assert (result.failed_requests or 0) <= 2  # at most what was in flight at the fault
-    elif experiment == "cpu_throttle":  # nothing fails: the throttled worker keeps its share
+    elif experiment == "cpu_throttle":  # the throttled worker keeps its share
         assert outcome.exit_code == 1 and result.deviated, result.reasons
         assert "gpu-0-gets-at-most-30-percent" in " ".join(result.reasons), result.reasons
-        assert (result.failed_requests or 0) <= 2
     else:
         assert outcome.exit_code == 1 and result.deviated, result.reasons
         assert result.recovered is False or (result.recovery_time_s or 0) > result.sla_s

@@ -211,7 +211,16 @@ def test_a_throttled_server_is_throttled_by_the_kernel_and_let_go(open_target: O
     target.unthrottle_cpu("gpu-0")  # idempotent
     assert Path(f"/proc/{pid}/cgroup").read_text() == home  # back where it was
     assert cgroups.list_ours(f"hosts-{target.state.target_id}-") == []
-    target.throttle_cpu("gpu-1", 50)  # left in: close() lets it go (checked by the fixture)
+    # under 1% the period grows (the kernel's quota floor is 1 ms), so 0.5% is not 1%
+    half = target.throttle_cpu("gpu-1", 0.5)  # left in: close() lets it go (the fixture checks)
+    assert (half["quota_us"], half["period_us"]) == (1000, 200_000), half
+    group = Path(half["cgroup"])
+    period = (
+        (group / "cpu.max").read_text().split()[1]
+        if half["cgroup_version"] == 2
+        else (group / "cpu.cfs_period_us").read_text().strip()
+    )
+    assert period == "200000", period
     with pytest.raises(InvalidInput, match=r"oom_kill_worker: .* cannot do it: an OOM kill"):
         target.oom_kill_worker("gpu-1", 64, 64)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,6 +177,35 @@ def test_load_stops_itself_when_its_owner_is_killed(fake_server, tmp_path):
     assert summary.achieved_qps == pytest.approx(50, rel=0.15), summary
     assert _wait_for(lambda: not ours & set(find_load_processes()), 5.0)
     assert "owner process" in (run_dir / "locust.log").read_text()
+
+
+@pytest.mark.slow
+def test_load_whose_folder_was_deleted_still_stops_when_its_owner_dies(fake_server, tmp_path):
+    """`rm -rf reports/` under a live run: nothing can be written any more, but the load must
+    still stop (it once hung on, idle, after the timeline write failed)."""
+    server = fake_server()
+    owner = subprocess.Popen(["sleep", "30"])
+    run_dir = tmp_path / "run"
+    config = LoadConfig(
+        url=server.url,
+        qps=20,
+        duration_s=60.0,
+        profile="constant",
+        run_dir=str(run_dir),
+        drain_s=1.0,
+        owner_pid=owner.pid,
+    )
+    try:
+        with LoadRun.start(config) as run:
+            run.wait_started()
+            ours = {pid for pid, d in find_load_processes().items() if d == str(run_dir.resolve())}
+            shutil.rmtree(run_dir)
+            owner.kill()
+            owner.wait()
+            assert ours and _wait_for(lambda: not ours & set(find_load_processes()), 15.0)
+    finally:
+        owner.kill()
+        owner.wait()
 
 
 @pytest.mark.slow
