@@ -6,11 +6,12 @@
 
 Starts the default (hardened) stack, then for each QPS step runs the open-loop load
 (`llmchaos.load.LoadRun`, on the same machine) for --step-s seconds and prints achieved QPS,
-P99, error rate and the CPU each component used (cores, from /proc via psutil). The answer is
-the highest step with P99 under 2 s and errors under 1%. Traffic `short` (10-token prompts,
-4 output tokens) measures the software path; `field` (the load's defaults, TrafficSpec: Zipf
-prompts over a 512-token template, median 8 output tokens (log-normal, at most 1024), 30%
-streaming) is bound by the two simulated GPUs instead. Not a test: figures for the README.
+P99, error rate and the CPU each component used (cores, from /proc via psutil), and under it
+the part of that spent in the kernel (system time). The answer is the highest step with P99
+under 2 s and errors under 1%. Traffic `short` (10-token prompts, 4 output tokens) measures
+the software path; `field` (the load's defaults, TrafficSpec: Zipf prompts over a 512-token
+template, median 8 output tokens (log-normal, at most 1024), 30% streaming) is bound by the
+two simulated GPUs instead. Not a test: figures for the README.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def component_pids(topology: Topology) -> dict[str, list[int]]:
     return pids
 
 
-def cpu_seconds(pids: list[int], with_children: bool = False) -> float:
+def cpu_seconds(pids: list[int], with_children: bool = False, kernel_only: bool = False) -> float:
+    """CPU-seconds `pids` used so far: user plus system, or only system (the kernel's side:
+    syscalls, and on loopback TCP the receiver's network stack too, run in the sender's
+    send())."""
     total = 0.0
     for pid in pids:
         try:
@@ -68,7 +72,7 @@ def cpu_seconds(pids: list[int], with_children: bool = False) -> float:
                 procs += procs[0].children(recursive=True)
             for proc in procs:
                 times = proc.cpu_times()
-                total += times.user + times.system
+                total += times.system if kernel_only else times.user + times.system
         except psutil.Error:
             continue
     return total
@@ -87,6 +91,7 @@ def run_step(topology: Topology, qps: float, step_s: float, traffic: str, worker
     pids = component_pids(topology)
     with LoadRun.start(config) as run:
         before = {name: cpu_seconds(p) for name, p in pids.items()}
+        kernel_before = {name: cpu_seconds(p, kernel_only=True) for name, p in pids.items()}
         load_pids = [run.process.pid]
         load_before = cpu_seconds(load_pids, with_children=True)
         started = time.monotonic()
@@ -97,6 +102,10 @@ def run_step(topology: Topology, qps: float, step_s: float, traffic: str, worker
             load_used = max(load_used, cpu_seconds(load_pids, with_children=True) - load_before)
         elapsed = time.monotonic() - started
         cores = {name: (cpu_seconds(p) - before[name]) / elapsed for name, p in pids.items()}
+        kernel_cores = {
+            name: (cpu_seconds(p, kernel_only=True) - kernel_before[name]) / elapsed
+            for name, p in pids.items()
+        }
         cores["load"] = load_used / elapsed
         summary = run.wait(timeout_s=60)
     answered = summary.ok + sum(summary.failed.values())
@@ -110,6 +119,7 @@ def run_step(topology: Topology, qps: float, step_s: float, traffic: str, worker
         "failed": summary.failed,
         "dropped": summary.dropped,
         "cores": cores,
+        "kernel_cores": kernel_cores,
     }
 
 
@@ -148,6 +158,10 @@ def main() -> int:
         p99 = f"{r['p99_ms']:.0f}" if r["p99_ms"] is not None else "-"
         cores = " ".join(f"{r['cores'].get(n, 0.0):9.2f}" for n in names)
         print(f"{r['qps']:7.0f} {r['achieved_qps']:9.1f} {p99:>8} {r['error_rate']:7.2%}  {cores}")
+        kernel = " ".join(
+            f"{r['kernel_cores'][n]:9.2f}" if n in r["kernel_cores"] else f"{'-':>9}" for n in names
+        )
+        print(f"{'kernel':>7} {'':>9} {'':>8} {'':>7}  {kernel}")
     print(
         "(CPU columns in cores; failures by class: "
         + "; ".join(f"{r['qps']:.0f}: {dict(r['failed'])} dropped {r['dropped']}" for r in results)

@@ -140,28 +140,35 @@ def test_engine_metrics_of_a_real_worker_parse(
 
 # -- what degraded answers are -------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("body", "expected"),
+    ("chat", "limit", "body", "expected"),
     [
-        ({"max_tokens": 200}, {"max_tokens": 32}),
+        (True, 32, {"max_tokens": 200}, {"max_tokens": 32}),
         (
+            True, 32,
             {"max_tokens": 200, "max_completion_tokens": 300},
             {"max_tokens": 32, "max_completion_tokens": 32},
         ),
-        ({"max_tokens": 200, "min_tokens": 100}, {"max_tokens": 32, "min_tokens": 32}),
-        ({"max_tokens": 20}, None),  # already short: the same bytes
-        ({}, None),  # the endpoint's default (32 for chat)
+        (True, 32, {"max_tokens": 200, "min_tokens": 100}, {"max_tokens": 32, "min_tokens": 32}),
+        (True, 32, {"max_tokens": 20}, None),  # already short: the same bytes
+        (True, 32, {}, None),  # the endpoint's default (32 for chat)
+        (True, 20, {}, {"max_tokens": 20}),  # the default is over a lower cap
+        (False, 20, {}, None),  # completions' default (16) is under it: never raised to 20
+        (False, 8, {}, {"max_tokens": 8}),
     ],
 )  # fmt: skip
-def test_cap_max_tokens(body: dict[str, int], expected: dict[str, int] | None) -> None:
-    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body})
-    generation = parse_generation_request(raw.encode(), (MODEL,), True)
-    capped = cap_max_tokens(raw.encode(), generation, 32)
+def test_cap_max_tokens(
+    chat: bool, limit: int, body: dict[str, int], expected: dict[str, int] | None
+) -> None:
+    request = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    raw = json.dumps({"model": MODEL, **request, **body}).encode()
+    generation = parse_generation_request(raw, (MODEL,), chat)
+    capped = cap_max_tokens(raw, generation, limit)
     if expected is None:
-        assert capped == raw.encode()
+        assert capped == raw
         return
     data = json.loads(capped)
     assert {k: data[k] for k in expected} == expected
-    assert parse_generation_request(capped, (MODEL,), True).max_tokens == 32
+    assert parse_generation_request(capped, (MODEL,), chat).max_tokens == limit
 
 
 # -- the gateway ---------------------------------------------------------------------------------

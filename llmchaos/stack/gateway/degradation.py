@@ -181,11 +181,9 @@ class DegradationState:
 
 def cap_max_tokens(body: bytes, generation: GenerationRequest, limit: int) -> bytes:
     """`body` with max_tokens (and max_completion_tokens) cut to `limit` and min_tokens kept
-    within it; the same bytes when the request already asks for no more (a request without
-    max_tokens gets the endpoint's default, at most 32, which the worker applies)."""
-    if generation.max_tokens is not None and generation.max_tokens <= limit:
-        return body
-    if generation.max_tokens is None and limit >= 32:
+    within it; the same bytes when the request already asks for no more (without max_tokens:
+    the endpoint's default, 32 for chat and 16 for completions, which the worker applies)."""
+    if generation.output_tokens <= limit:
         return body
     data = json.loads(body)
     data["max_tokens"] = limit
