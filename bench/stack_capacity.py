@@ -8,7 +8,7 @@ Starts the default (hardened) stack, then for each QPS step runs the open-loop l
 (`llmchaos.load.LoadRun`, on the same machine) for --step-s seconds and prints achieved QPS,
 P99, error rate and the CPU each component used (cores, from /proc via psutil), under it the
 part of that spent in the kernel (system time), and the whole machine's user, system, softirq
-and idle time (softirq, loopback TCP's receive side, is charged to no process). The answer is
+and idle time (softirq, much of loopback TCP, may be in no process's time). The answer is
 the highest step with P99 under 2 s and errors under 1%. Traffic `short` (10-token prompts, 4
 output tokens) measures the software path; `field` (the load's defaults, TrafficSpec: Zipf
 prompts over a 512-token template, median 8 output tokens (log-normal, at most 1024), 30%
@@ -61,11 +61,9 @@ def component_pids(topology: Topology) -> dict[str, list[int]]:
     return pids
 
 
-def cpu_seconds(pids: list[int], with_children: bool = False, kernel_only: bool = False) -> float:
-    """CPU-seconds `pids` used so far: user plus system, or only system (the kernel's side:
-    syscalls, and on loopback TCP the receiver's network stack too, run in the sender's
-    send())."""
-    total = 0.0
+def cpu_seconds(pids: list[int], with_children: bool = False) -> tuple[float, float]:
+    """CPU-seconds `pids` used so far: (user plus system, system alone)."""
+    total = system = 0.0
     for pid in pids:
         try:
             procs = [psutil.Process(pid)]
@@ -73,10 +71,11 @@ def cpu_seconds(pids: list[int], with_children: bool = False, kernel_only: bool 
                 procs += procs[0].children(recursive=True)
             for proc in procs:
                 times = proc.cpu_times()
-                total += times.system if kernel_only else times.user + times.system
+                total += times.user + times.system
+                system += times.system
         except psutil.Error:
             continue
-    return total
+    return total, system
 
 
 def run_step(topology: Topology, qps: float, step_s: float, traffic: str, workers: int) -> dict:
@@ -93,24 +92,22 @@ def run_step(topology: Topology, qps: float, step_s: float, traffic: str, worker
     with LoadRun.start(config) as run:
         machine_before = psutil.cpu_times()
         before = {name: cpu_seconds(p) for name, p in pids.items()}
-        kernel_before = {name: cpu_seconds(p, kernel_only=True) for name, p in pids.items()}
         load_pids = [run.process.pid]
-        load_before = cpu_seconds(load_pids, with_children=True)
+        load_before, _ = cpu_seconds(load_pids, with_children=True)
         started = time.monotonic()
         # Sample while the step runs: the load process is gone once wait() returns.
         load_used = 0.0
         while time.monotonic() - started < step_s:
             time.sleep(0.5)
-            load_used = max(load_used, cpu_seconds(load_pids, with_children=True) - load_before)
+            load_used = max(load_used, cpu_seconds(load_pids, with_children=True)[0] - load_before)
         elapsed = time.monotonic() - started
-        cores = {name: (cpu_seconds(p) - before[name]) / elapsed for name, p in pids.items()}
-        kernel_cores = {
-            name: (cpu_seconds(p, kernel_only=True) - kernel_before[name]) / elapsed
-            for name, p in pids.items()
-        }
+        after = {name: cpu_seconds(p) for name, p in pids.items()}
+        cores = {name: (after[name][0] - before[name][0]) / elapsed for name in pids}
+        kernel_cores = {name: (after[name][1] - before[name][1]) / elapsed for name in pids}
         cores["load"] = load_used / elapsed
         machine_after = psutil.cpu_times()
-        # softirq time (loopback TCP's receive side) is charged to no process
+        # softirq work (much of loopback TCP) is in a process's system time when it ran in
+        # that process's time slice, and in the machine's softirq time either way
         machine = {
             field: (getattr(machine_after, field) - getattr(machine_before, field)) / elapsed
             for field in ("user", "system", "softirq", "idle")
@@ -171,7 +168,7 @@ def main() -> int:
             f"{r['kernel_cores'][n]:9.2f}" if n in r["kernel_cores"] else f"{'-':>9}" for n in names
         )
         print(f"{'kernel':>7} {'':>9} {'':>8} {'':>7}  {kernel}")
-        machine = ", ".join(f"{field} {cores:.2f}" for field, cores in r["machine"].items())
+        machine = ", ".join(f"{field} {used:.2f}" for field, used in r["machine"].items())
         print(f"{'':>7} whole machine: {machine}")
     print(
         "(CPU columns in cores; failures by class: "

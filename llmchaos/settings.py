@@ -36,6 +36,7 @@ from llmchaos.errors import InvalidInput
 from llmchaos.load.timeline import FAILURE_CLASSES
 from llmchaos.load.traffic import TrafficSpec
 from llmchaos.targets import KINDS, TargetSettings, target_kind
+from llmchaos.targets.cpu_throttle import MIN_CPU_PERCENT
 
 __all__ = [
     "ERROR_CLASSES",
@@ -93,7 +94,7 @@ def argument_ranges(settings: RunSettings) -> dict[str, Range]:
         # gray failures and resource faults
         "slowdown": Range(1, 1000),
         "xid": Range(1, 1000),
-        "cpu_percent": Range(0.1, 100 * (os.cpu_count() or 1)),  # 0.1%: 1 ms per 1 s
+        "cpu_percent": Range(MIN_CPU_PERCENT, 100 * (os.cpu_count() or 1)),
         "limit_mib": Range(1, 1 << 20),
         "grow_mib_s": Range(0, 1 << 14, low_open=True),
         "delay_ms": Range(0, 60_000),

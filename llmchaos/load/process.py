@@ -344,6 +344,7 @@ class Controller:
             self._run_to_end()
         except OSError as exc:
             logger.error("llmchaos load: cannot write the run's files (%s); stopping", exc)
+            self.state = "unwritable"  # so the quit does not try (and fail) to write again
         finally:
             if self.server is not None:
                 self.server.stop(timeout=1)
@@ -378,7 +379,7 @@ class Controller:
         """Write the rest of the timeline and the summary (once). A run Locust quits before
         its end was marked stopped by `_on_quitting`, which Locust calls before `quit`."""
         agg = self.aggregate
-        if agg is None or self.state == "done":
+        if agg is None or self.state in ("done", "unwritable"):
             return
         for share in self.shares:
             # no final report (deadline, SIGTERM): what its reports do not hold, up to the

@@ -12,17 +12,27 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from llmchaos.errors import InvalidInput
 from llmchaos.ledger import Verification
 from llmchaos.stack import cgroups
 
-__all__ = ["CPU_PERIOD_US", "cpu_max", "throttle", "unthrottle", "verify_throttle"]
+__all__ = [
+    "CPU_PERIOD_US",
+    "MIN_CPU_PERCENT",
+    "cpu_max",
+    "throttle",
+    "unthrottle",
+    "verify_throttle",
+]
 
 CPU_PERIOD_US = 100_000
 """CFS enforcement period (the kernel's default, 100 ms): the quota is a share of it."""
 MIN_QUOTA_US = 1000
 """The kernel's floor for a quota (1 ms): below 1% the period grows instead."""
 MAX_PERIOD_US = 1_000_000
-"""The kernel's ceiling for a period (1 s): 0.1% of a CPU is the least a cap can give."""
+"""The kernel's ceiling for a period (1 s)."""
+MIN_CPU_PERCENT = 100 * MIN_QUOTA_US / MAX_PERIOD_US
+"""The least share of a CPU a cap can give: 1 ms per 1 s, 0.1%."""
 _THROTTLE_CHECK_S = 5.0
 """How long the check waits for the throttling counters to rise (they need the process to
 want more CPU than its quota: under the run's load that takes a period or two)."""
@@ -52,11 +62,17 @@ def throttle(cgroup_name: str, part: str, pids: list[int], cpu_percent: float) -
 def cpu_max(cpu_percent: float) -> tuple[int, int]:
     """(quota_us, period_us) for `cpu_percent` of one CPU: the default 100 ms period, or a
     longer one where the quota would fall under the kernel's 1 ms floor (0.5%: 1 ms per
-    200 ms), so a cap under 1% is what was asked and not silently 1%."""
+    200 ms), so a cap under 1% is what was asked and not silently 1%. Raises InvalidInput
+    under MIN_CPU_PERCENT."""
+    if cpu_percent < MIN_CPU_PERCENT:
+        raise InvalidInput(
+            f"cpu_percent: expected at least {MIN_CPU_PERCENT:g} (1 ms per 1 s, the kernel's "
+            f"least quota per its longest period), got {cpu_percent:g}"
+        )
     quota_us = round(CPU_PERIOD_US * cpu_percent / 100)
     if quota_us >= MIN_QUOTA_US:
         return quota_us, CPU_PERIOD_US
-    return MIN_QUOTA_US, min(MAX_PERIOD_US, round(MIN_QUOTA_US * 100 / cpu_percent))
+    return MIN_QUOTA_US, round(MIN_QUOTA_US * 100 / cpu_percent)
 
 
 def unthrottle(cgroup_name: str) -> None:

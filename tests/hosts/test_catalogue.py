@@ -89,6 +89,8 @@ def test_known_good_passes_and_known_bad_fails(
         assert outcome.exit_code == 0 and result.verdict == "pass", result.reasons
         assert (result.failed_requests or 0) <= 2  # at most what was in flight at the fault
     elif experiment == "cpu_throttle":  # the throttled worker keeps its share
+        # no bound on failures: 0 in three runs at 0.5%, but LiteLLM retries what the slowed
+        # worker times out and 3 failed at 0.2%; the share is what this variant gets wrong
         assert outcome.exit_code == 1 and result.deviated, result.reasons
         assert "gpu-0-gets-at-most-30-percent" in " ".join(result.reasons), result.reasons
     else:
