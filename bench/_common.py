@@ -27,7 +27,7 @@ def wait_http_ok(url: str, timeout_s: float = 15.0) -> None:
 def tree_at(rev: str) -> dict[str, str]:
     """The environment that makes a subprocess import `llmchaos` as of git revision `rev`:
     the package extracted under reports/bench-trees/<rev>/ (kept for the next run) and put
-    first on PYTHONPATH. Raises subprocess.CalledProcessError for an unknown revision."""
+    first on sys.path. Raises subprocess.CalledProcessError for an unknown revision."""
     commit = subprocess.run(
         ["git", "-C", str(_REPO), "rev-parse", "--short", f"{rev}^{{commit}}"],
         check=True,
@@ -43,4 +43,6 @@ def tree_at(rev: str) -> dict[str, str]:
             capture_output=True,
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    return {**os.environ, "PYTHONPATH": str(tree)}
+    # PYTHONSAFEPATH: `python -m` would otherwise put the working directory, this checkout,
+    # before PYTHONPATH, and the "old" process would run the new code
+    return {**os.environ, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}

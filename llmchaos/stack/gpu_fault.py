@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
-
 from llmchaos.stack.engine import Engine
+from llmchaos.stack.httpserver import Handler, Request, Responder, Response
 from llmchaos.stack.openai_api import ApiError
 
-__all__ = ["GpuFault", "add_fault_routes"]
+__all__ = ["GpuFault", "fault_routes"]
 
 _GROW_STEP_S = 0.1
 """Memory grows in steps this far apart (a smooth line, not one big allocation)."""
@@ -114,29 +114,33 @@ class GpuFault:
             self._grower.cancel()
 
 
-def add_fault_routes(app: web.Application, fault: web.AppKey[GpuFault]) -> None:
-    """The control endpoints, reading the GpuFault at app[fault]."""
+def fault_routes(
+    fault: GpuFault, json_response: Callable[[Any], Response]
+) -> dict[str, dict[str, Handler]]:
+    """The control endpoints of `fault`, as httpserver routes answering `json_response`."""
 
-    async def read_body(request: web.Request) -> dict[str, Any]:
+    def read_body(request: Request) -> dict[str, Any]:
         try:
-            body = json.loads(await request.read() or b"{}")
+            body = json.loads(request.body or b"{}")
         except ValueError as exc:
             raise ApiError(400, f"not JSON: {exc}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "expected a JSON object", code="invalid_type")
         return body
 
-    async def put_gpu(request: web.Request) -> web.Response:
-        request.app[fault].set_gpu(await read_body(request))
-        return web.json_response(request.app[fault].state())
+    async def put_gpu(request: Request, _: Responder) -> Response:
+        fault.set_gpu(read_body(request))
+        return json_response(fault.state())
 
-    async def put_memory(request: web.Request) -> web.Response:
-        request.app[fault].set_memory(await read_body(request))
-        return web.json_response(request.app[fault].state())
+    async def put_memory(request: Request, _: Responder) -> Response:
+        fault.set_memory(read_body(request))
+        return json_response(fault.state())
 
-    async def get_state(request: web.Request) -> web.Response:
-        return web.json_response(request.app[fault].state())
+    async def get_state(request: Request, _: Responder) -> Response:
+        return json_response(fault.state())
 
-    app.router.add_put("/fault/gpu", put_gpu)
-    app.router.add_put("/fault/memory", put_memory)
-    app.router.add_get("/fault", get_state)
+    return {
+        "/fault/gpu": {"PUT": put_gpu},
+        "/fault/memory": {"PUT": put_memory},
+        "/fault": {"GET": get_state},
+    }

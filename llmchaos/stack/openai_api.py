@@ -51,6 +51,7 @@ __all__ = [
     "error_response",
     "http_error",
     "parse_generation_request",
+    "server_error",
 ]
 
 log = logging.getLogger(__name__)
@@ -126,12 +127,23 @@ _HTTP_CODES = {
 
 def http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
     """An aiohttp HTTP error (no route, wrong method, body over the limit) as an ApiError."""
-    code = _HTTP_CODES.get(exc.status, exc.reason.lower().replace(" ", "_"))
-    message = f"{request.method} {request.path}: {exc.reason}"
-    if exc.status == 413:
-        message = f"request body over the limit of {MAX_BODY_BYTES} bytes"
     allow = exc.headers.get("Allow")  # the one header of aiohttp's worth keeping (405)
-    return ApiError(exc.status, message, code=code, headers={"Allow": allow} if allow else None)
+    return server_error(exc.status, exc.reason, (request.method, request.path), allow)
+
+
+def server_error(
+    status: int, reason: str, request: tuple[str, str] | None, allow: str | None = None
+) -> ApiError:
+    """What a server answers itself (no route, wrong method, body over the limit; malformed
+    HTTP when `request`, its method and path, is None) as an ApiError."""
+    code = _HTTP_CODES.get(status, reason.lower().replace(" ", "_"))
+    if status == 413:
+        message = f"request body over the limit of {MAX_BODY_BYTES} bytes"
+    elif request is None:
+        message = f"malformed HTTP request: {reason}"
+    else:
+        message = f"{request[0]} {request[1]}: {reason}"
+    return ApiError(status, message, code=code, headers={"Allow": allow} if allow else None)
 
 
 class _OpenAIRequestHandler(RequestHandler):
@@ -152,7 +164,7 @@ class _OpenAIRequestHandler(RequestHandler):
         log.warning("malformed HTTP request from %s: %s", request.remote, reason)
         if request.writer.output_size > 0:
             raise ConnectionError("an answer was already sent on this connection")
-        error = ApiError(status, f"malformed HTTP request: {reason}", code="invalid_http_request")
+        error = server_error(status, reason, None)
         response = error_response(error)
         response.force_close()
         return response

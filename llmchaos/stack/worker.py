@@ -1,4 +1,4 @@
-"""The engine worker: an OpenAI-compatible aiohttp server over one simulated engine.
+"""The engine worker: an OpenAI-compatible HTTP server (httpserver.py) over one simulated engine.
 
     python -m llmchaos.stack.worker --settings PATH     (WorkerSettings JSON, see write_settings)
 
@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from aiohttp import web
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -43,7 +42,8 @@ from prometheus_client.registry import Collector
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.stack.engine import Engine, EngineStopped, Sequence, SequenceResult, check_profile
 from llmchaos.stack.generation import ChoicePlan, StreamChunks, completion_body, plan_choices
-from llmchaos.stack.gpu_fault import GpuFault, add_fault_routes
+from llmchaos.stack.gpu_fault import GpuFault, fault_routes
+from llmchaos.stack.httpserver import Handler, HttpError, HttpServer, Request, Responder, Response
 from llmchaos.stack.openai_api import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -51,14 +51,12 @@ from llmchaos.stack.openai_api import (
     VERSION,
     ApiError,
     GenerationRequest,
-    OpenAIAppRunner,
-    error_response,
-    http_error,
     parse_generation_request,
+    server_error,
 )
 from llmchaos.stack.settings import WorkerSettings, load_settings
 
-__all__ = ["main", "make_app", "serve"]
+__all__ = ["WorkerServer", "main", "serve"]
 
 log = logging.getLogger("llmchaos.stack.worker")
 
@@ -79,6 +77,7 @@ E2E_BUCKETS_S = (
 """vLLM's buckets of vllm:e2e_request_latency_seconds."""
 
 _SSE_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"))
 
 
 class _EngineCollector(Collector):
@@ -167,6 +166,7 @@ class _Worker:
     settings: WorkerSettings
     engine: Engine
     metrics: _Metrics
+    fault: GpuFault
     ready_at: float
     """loop.time() when the simulated model load is over."""
     created_unix_s: int
@@ -175,88 +175,110 @@ class _Worker:
         return max(0.0, self.ready_at - asyncio.get_running_loop().time())
 
 
-_WORKER = web.AppKey("worker", _Worker)
-_GPU_FAULT = web.AppKey("gpu_fault", GpuFault)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(status, json.dumps(body).encode(), headers=(headers or {}).items())
 
 
-def make_app(settings: WorkerSettings) -> web.Application:
-    """The aiohttp application of one worker; the engine starts with the app.
+def _error_answer(error: ApiError) -> Response:
+    """The OpenAI error body of `error`, with its headers (Retry-After, Allow)."""
+    return _json_response(error.body(), error.status, error.headers)
 
-    Raises InvalidInput (at startup) for an engine profile the engine cannot run.
+
+class WorkerServer:
+    """One engine worker: `port = await start()`, serve, `await stop()`.
+
+    Raises InvalidInput (at start) for an engine profile the engine cannot run.
     """
-    app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
-    app.on_startup.append(lambda app: _start(app, settings))
-    app.on_shutdown.append(_stop)
-    headers = {"X-Serving-Mode": settings.profile.mode, "X-Worker": settings.name}
 
-    async def add_headers(_request: web.Request, response: web.StreamResponse) -> None:
-        response.headers.update(headers)
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self._worker: _Worker | None = None
+        self._server: HttpServer | None = None
 
-    app.on_response_prepare.append(add_headers)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/healthz", _healthz)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/version", _version)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/gpu/processes", _gpu_processes)
-    add_fault_routes(app, _GPU_FAULT)
-    return app
+    async def start(self) -> int:
+        """Start the engine and listen; returns the bound port. Raises OSError when the
+        address cannot be bound."""
+        settings = self.settings
+        engine = Engine(settings.profile)
+        engine.start()
+        worker = _Worker(
+            settings=settings,
+            engine=engine,
+            metrics=_Metrics(engine, settings.model),
+            fault=GpuFault(engine),
+            ready_at=asyncio.get_running_loop().time() + settings.profile.load_s,
+            created_unix_s=int(time.time()),
+        )
+        self._worker = worker
 
+        def route(handler: _WorkerHandler) -> Handler:
+            return lambda request, responder: handler(worker, request, responder)
 
-async def _start(app: web.Application, settings: WorkerSettings) -> None:
-    engine = Engine(settings.profile)
-    engine.start()
-    loop = asyncio.get_running_loop()
-    app[_WORKER] = _Worker(
-        settings=settings,
-        engine=engine,
-        metrics=_Metrics(engine, settings.model),
-        ready_at=loop.time() + settings.profile.load_s,
-        created_unix_s=int(time.time()),
-    )
-    app[_GPU_FAULT] = GpuFault(engine)
-
-
-async def _stop(app: web.Application) -> None:
-    # Runs before aiohttp waits for in-flight handlers: aborting their sequences lets them end.
-    app[_GPU_FAULT].close()
-    await app[_WORKER].engine.close()
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        request.app[_WORKER].metrics.count_error(exc)
-        return error_response(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
+        routes: dict[str, dict[str, Handler]] = {
+            "/v1/chat/completions": {"POST": route(_chat_completions)},
+            "/v1/completions": {"POST": route(_completions)},
+            "/v1/models": {"GET": route(_models)},
+            "/healthz": {"GET": route(_healthz)},
+            "/health": {"GET": route(_health)},
+            "/version": {"GET": route(_version)},
+            "/metrics": {"GET": route(_metrics)},
+            "/gpu/processes": {"GET": route(_gpu_processes)},
+            **fault_routes(worker.fault, _json_response),
+        }
+        self._server = HttpServer(
+            routes,
+            lambda exc, request: _on_error(worker, exc, request),
+            headers=[("X-Serving-Mode", settings.profile.mode), ("X-Worker", settings.name)],
+            max_body_bytes=MAX_BODY_BYTES,
+        )
+        try:
+            return await self._server.start(settings.host, settings.port)
+        except OSError:
+            await self.stop()
             raise
-        error = http_error(exc, request)
-        request.app[_WORKER].metrics.count_error(error)
-        return error_response(error)
-    except Exception:
-        log.exception("unexpected error in %s %s", request.method, request.path)
+
+    async def stop(self) -> None:
+        """Stop listening, abort what runs (its handlers then end at once), and close."""
+        if self._server is not None:
+            self._server.close()
+        if self._worker is not None:
+            self._worker.fault.close()
+            await self._worker.engine.close()
+        if self._server is not None:
+            await self._server.wait_closed(SHUTDOWN_GRACE_S)
+
+
+_WorkerHandler = Callable[[_Worker, Request, Responder], Awaitable[Response | None]]
+
+
+def _on_error(worker: _Worker, exc: BaseException, request: Request | None) -> Response:
+    """Every error as an OpenAI error body, counted; a traceback only in the log."""
+    if isinstance(exc, ApiError):
+        error = exc
+    elif isinstance(exc, HttpError):
+        where = None if request is None else (request.method, request.path)
+        error = server_error(exc.status, exc.reason, where, exc.allow)
+    else:
+        assert request is not None
+        log.exception("unexpected error in %s %s", request.method, request.path, exc_info=exc)
         error = ApiError(500, "internal error in the engine worker", type="internal_server_error")
-        request.app[_WORKER].metrics.count_error(error)
-        return error_response(error)
+    worker.metrics.count_error(error)
+    return _error_answer(error)
 
 
-async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=True)
+async def _chat_completions(
+    worker: _Worker, request: Request, responder: Responder
+) -> Response | None:
+    return await _generate(worker, request, responder, chat=True)
 
 
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=False)
+async def _completions(worker: _Worker, request: Request, responder: Responder) -> Response | None:
+    return await _generate(worker, request, responder, chat=False)
 
 
-async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-    worker = request.app[_WORKER]
+async def _generate(
+    worker: _Worker, request: Request, responder: Responder, chat: bool
+) -> Response | None:
     left_s = worker.loading_left_s()
     if left_s > 0:
         raise ApiError(
@@ -266,7 +288,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             code="model_loading",
             headers={"Retry-After": str(max(1, round(left_s)))},
         )
-    generation = parse_generation_request(await request.read(), (worker.settings.model,), chat)
+    generation = parse_generation_request(request.body, (worker.settings.model,), chat)
     prompt_tokens = generation.prompt_tokens
     max_tokens = _max_tokens(worker, generation, max(prompt_tokens))
     plans = plan_choices(generation, max_tokens)
@@ -276,12 +298,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             prompt = prompt_tokens[plan.prompt_index]
             seqs.append(worker.engine.submit(prompt, plan.tokens, stream=generation.stream))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{worker.settings.name}-{seqs[0].seq_id}"
-        fault = request.app[_GPU_FAULT]
         if generation.stream:
-            return await _stream(request, worker, generation, request_id, plans, seqs, fault)
+            await _stream(request, responder, worker, generation, request_id, plans, seqs)
+            return None
         response = await _complete(worker, generation, request_id, plans, seqs)
-        if fault.breaks_inference:
-            raise fault.error()
+        if worker.fault.breaks_inference:
+            raise worker.fault.error()
         return response
     except EngineStopped:
         raise _stopping(worker) from None
@@ -327,7 +349,7 @@ async def _complete(
     request_id: str,
     plans: list[ChoicePlan],
     seqs: list[Sequence],
-) -> web.Response:
+) -> Response:
     results = [await seq for seq in seqs]
     if any(r.finish_reason == "abort" for r in results):
         raise _stopping(worker)
@@ -340,22 +362,19 @@ async def _complete(
         sum(generation.prompt_tokens),
         sum(r.completion_tokens for r in results),
     )
-    return web.Response(body=json.dumps(body).encode(), content_type="application/json")
+    return Response(body=json.dumps(body).encode())
 
 
 async def _stream(
-    request: web.Request,
+    request: Request,
+    responder: Responder,
     worker: _Worker,
     generation: GenerationRequest,
     request_id: str,
     plans: list[ChoicePlan],
     seqs: list[Sequence],
-    fault: GpuFault,
-) -> web.StreamResponse:
+) -> None:
     chunks = StreamChunks(generation, request_id, sum(generation.prompt_tokens))
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
     events: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
 
     async def follow(k: int) -> None:
@@ -366,7 +385,7 @@ async def _stream(
     followers = [asyncio.ensure_future(follow(k)) for k in range(len(seqs))]
     sent = [0] * len(seqs)
     try:
-        await response.prepare(request)
+        await responder.start(200, _SSE_HEADERS)
         open_seqs, started = len(seqs), False
         while open_seqs:
             k, n_tokens = await events.get()
@@ -378,31 +397,29 @@ async def _stream(
                 out, started = chunks.first(plans), True
             out += chunks.tokens(plans[k], sent[k], sent[k] + n_tokens, request_id)
             sent[k] += n_tokens
-            if out:
-                await response.write(out)
-            if fault.breaks_inference and request.transport is not None:
+            await responder.write(out)
+            if worker.fault.breaks_inference:
                 request.transport.close()  # cut without the stream's end, as the engine died
-                return response
+                return
         results = [await seq for seq in seqs]
         if any(r.finish_reason == "abort" for r in results):
-            await response.write(b"data: " + json.dumps(_stopping(worker).body()).encode())
-            await response.write(b"\n\n" + _SSE_DONE)
-            return response
+            await responder.write(b"data: " + json.dumps(_stopping(worker).body()).encode())
+            await responder.write(b"\n\n" + _SSE_DONE)
+            await responder.end()
+            return
         for result in results:
             worker.metrics.observe(result)
         tail = chunks.usage(sum(sent)) if generation.include_usage else b""
-        await response.write(tail + _SSE_DONE)
-        await response.write_eof()
+        await responder.write(tail + _SSE_DONE)
+        await responder.end()
     except ConnectionResetError:
         log.debug("client of %s went away mid-stream", request_id)
     finally:
         for follower in followers:
             follower.cancel()
-    return response
 
 
-async def _models(request: web.Request) -> web.Response:
-    worker = request.app[_WORKER]
+async def _models(worker: _Worker, request: Request, responder: Responder) -> Response:
     model = {
         "id": worker.settings.model,
         "object": "model",
@@ -410,21 +427,20 @@ async def _models(request: web.Request) -> web.Response:
         "owned_by": "llmchaos",
         "max_model_len": worker.settings.profile.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [model]})
+    return _json_response({"object": "list", "data": [model]})
 
 
-async def _health(request: web.Request) -> web.Response:
+async def _health(worker: _Worker, request: Request, responder: Responder) -> Response:
     """vLLM's liveness route: 200 with an empty body once the model serves (vLLM only
     listens then), 503 while it loads."""
-    return web.Response(status=503 if request.app[_WORKER].loading_left_s() > 0 else 200)
+    return Response(503 if worker.loading_left_s() > 0 else 200, content_type="text/plain")
 
 
-async def _version(request: web.Request) -> web.Response:
-    return web.json_response({"version": VERSION})
+async def _version(worker: _Worker, request: Request, responder: Responder) -> Response:
+    return _json_response({"version": VERSION})
 
 
-async def _healthz(request: web.Request) -> web.Response:
-    worker = request.app[_WORKER]
+async def _healthz(worker: _Worker, request: Request, responder: Responder) -> Response:
     settings = worker.settings
     body: dict[str, Any] = {
         "name": settings.name,
@@ -435,33 +451,30 @@ async def _healthz(request: web.Request) -> web.Response:
     }
     left_s = worker.loading_left_s()
     if left_s > 0:
-        return web.json_response(
-            {"status": "loading", **body, "ready_in_s": round(left_s, 3)}, status=503
-        )
+        return _json_response({"status": "loading", **body, "ready_in_s": round(left_s, 3)}, 503)
     stats = worker.engine.stats()
-    return web.json_response(
+    return _json_response(
         {"status": "ready", **body, "running": stats.running, "waiting": stats.waiting}
     )
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    registry = request.app[_WORKER].metrics.registry
-    return web.Response(
-        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4}
+async def _metrics(worker: _Worker, request: Request, responder: Responder) -> Response:
+    return Response(
+        body=generate_latest(worker.metrics.registry), content_type=CONTENT_TYPE_PLAIN_0_0_4
     )
 
 
-async def _gpu_processes(request: web.Request) -> web.Response:
-    settings = request.app[_WORKER].settings
+async def _gpu_processes(worker: _Worker, request: Request, responder: Responder) -> Response:
+    settings = worker.settings
     if settings.profile.mode != "gpu":
-        return web.json_response([])
+        return _json_response([])
     process = {
         "pid": os.getpid(),
         "process_name": sys.executable,
         "used_memory_mib": settings.profile.gpu_memory_mib,
         "gpu_index": settings.gpu_index,
     }
-    return web.json_response([process])
+    return _json_response([process])
 
 
 async def serve(settings: WorkerSettings) -> None:
@@ -470,20 +483,10 @@ async def serve(settings: WorkerSettings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runner = OpenAIAppRunner(
-        make_app(settings),
-        handle_signals=False,
-        access_log=None,
-        # a client that goes away aborts its sequences (vLLM's with_cancellation): without
-        # it, requests a timed-out client left behind keep their queue place and their KV
-        handler_cancellation=True,
-        shutdown_timeout=SHUTDOWN_GRACE_S,
-    )
-    await runner.setup()
+    server = WorkerServer(settings)
     try:
-        site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
         try:
-            await site.start()
+            await server.start()
         except OSError as exc:
             raise StackError(
                 f"worker {settings.name}: cannot listen on {settings.host}:{settings.port}: {exc}"
@@ -500,7 +503,7 @@ async def serve(settings: WorkerSettings) -> None:
         await stop.wait()
         log.info("worker %s stopping", settings.name)
     finally:
-        await runner.cleanup()
+        await server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

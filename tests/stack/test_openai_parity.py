@@ -19,10 +19,9 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
 from llmchaos.stack import worker as worker_module
-from llmchaos.stack.openai_api import MAX_BODY_BYTES, VERSION, OpenAIAppRunner
+from llmchaos.stack.openai_api import MAX_BODY_BYTES, VERSION
 from llmchaos.stack.settings import GPU_PROFILE, UpstreamWorker, WorkerSettings
 from llmchaos.stack.tokens import count_tokens, make_text
 from tests.stack.gateway_fixtures import (
@@ -75,11 +74,9 @@ class Target:
 async def target(
     request: pytest.FixtureRequest, redis_server: RedisServer, token_db: Path
 ) -> AsyncIterator[Target]:
-    settings = WorkerSettings(name="gpu-p", node="node-p", profile=PROFILE)
-    runner = OpenAIAppRunner(worker_module.make_app(settings), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    worker_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    settings = WorkerSettings(name="gpu-p", node="node-p", port=0, profile=PROFILE)
+    worker = worker_module.WorkerServer(settings)
+    worker_url = f"http://127.0.0.1:{await worker.start()}"
     try:
         async with aiohttp.ClientSession() as session:
             if request.param == "worker":
@@ -94,7 +91,7 @@ async def target(
                 auth = {"Authorization": "Bearer tok-alice"}
                 yield Target("gateway", gw.base_url, auth, session)
     finally:
-        await runner.cleanup()
+        await worker.stop()
 
 
 def chat(max_tokens: int = 4, **extra: Any) -> dict[str, Any]:

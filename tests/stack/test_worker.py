@@ -23,7 +23,6 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmchaos.stack import worker as worker_module
@@ -464,10 +463,16 @@ async def test_unexpected_exception_is_a_500_openai_body(
         raise RuntimeError("boom in plan_choices")
 
     monkeypatch.setattr(worker_module, "plan_choices", broken)
-    settings = WorkerSettings(profile=dataclasses.replace(TEST_PROFILE, load_s=0.0))
-    async with TestClient(TestServer(worker_module.make_app(settings))) as http:
-        resp = await http.post("/v1/chat/completions", json=chat_body(3, 2))
-        answer = await resp.json()
+    settings = WorkerSettings(port=0, profile=dataclasses.replace(TEST_PROFILE, load_s=0.0))
+    server = worker_module.WorkerServer(settings)
+    port = await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            async with http.post(url, json=chat_body(3, 2)) as resp:
+                answer = await resp.json()
+    finally:
+        await server.stop()
 
     assert resp.status == 500
     assert answer["error"]["type"] == "internal_server_error"
