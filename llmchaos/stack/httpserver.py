@@ -1,16 +1,17 @@
-"""A lean HTTP/1.1 server for the engine workers: an asyncio.Protocol on uvloop with llhttp's
-parser (httptools), and nothing else between the socket and the handler.
+"""A lean HTTP/1.1 server for the engine workers and the gateways: an asyncio.Protocol on
+uvloop with llhttp's parser (httptools), and nothing else between the socket and the handler.
 
-Why: an engine worker's HTTP server is most of its CPU, and the simulated fleet grows with the
-rate, so its cost per request bounds the rate one machine can simulate. aiohttp's server cost
-a worker 0.14 CPU-s per 1,000 short requests here, this one about half of that
-(bench/worker_throughput.py). What it does, as a worker's clients (gateways, LiteLLM's httpx,
-nginx, curl) need it: keep-alive (HTTP/1.1's default; HTTP/1.0 only when asked), pipelined
-requests answered in order, `Expect: 100-continue`, bodies framed by Content-Length or chunked
-up to `max_body_bytes` (413 above it), answers framed by Content-Length or, streamed, chunked
-(HTTP/1.0: until the connection closes), writes that wait for a slow reader, idle
-connections closed after `keepalive_s`, and the handler cancelled when its client goes away
-(as vLLM's `with_cancellation`). Malformed HTTP gets `on_error`'s answer to a 400 and the
+Why: HTTP handling is most of a worker's and a gateway's CPU, and it bounds the rate one
+machine can simulate. Side by side with aiohttp's server (2026-12-05, a busy box): a worker
+0.096 vs 0.166 CPU-s per 1,000 short requests (bench/worker_throughput.py), a gateway 0.279
+vs 0.367 (bench/gateway_throughput.py). What it does, as their clients (HAProxy, gateways,
+LiteLLM's httpx, nginx, curl) need it: keep-alive (HTTP/1.1's default; HTTP/1.0 only when
+asked), pipelined requests answered in order, `Expect: 100-continue`, bodies framed by
+Content-Length or chunked up to `max_body_bytes` (413 above it), answers framed by
+Content-Length or, streamed, chunked (HTTP/1.0: until the connection closes), writes that
+wait for a slow reader, idle connections closed after `keepalive_s`, and the handler
+cancelled when its client goes away (as vLLM's `with_cancellation`). Malformed HTTP gets
+`on_error`'s answer to a 400, after the answers to the requests before it, and the
 connection closes.
 
     server = HttpServer({"/healthz": {"GET": healthz}}, on_error, headers=[("X-Worker", "w")])
@@ -152,6 +153,8 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._error: HttpError | None = None
+        self._broken: HttpError | None = None
+        """A request that could not be parsed, answered once those before it are."""
         self._reading = True
         self._writable: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
@@ -254,7 +257,7 @@ class _Connection(asyncio.Protocol):
     def _serve_next(self) -> None:
         request = self._queue.popleft()
         self._task = asyncio.get_running_loop().create_task(self._serve(request))
-        if not self._reading and self._transport is not None:
+        if not self._reading and self._broken is None and self._transport is not None:
             self._reading = True
             self._transport.resume_reading()
 
@@ -286,6 +289,8 @@ class _Connection(asyncio.Protocol):
             self.close()
         elif self._queue:
             self._serve_next()
+        elif self._broken is not None:
+            self._answer_broken()
         else:
             self._arm_idle()
 
@@ -325,12 +330,21 @@ class _Connection(asyncio.Protocol):
             self._transport.close()
 
     def _fail(self, error: HttpError) -> None:
-        """Answer a request that could not be parsed, then close: what follows it on the
-        connection cannot be framed."""
+        """A request could not be parsed: nothing after it on the connection can be framed.
+        Its answer follows the answers to the requests before it, then the connection
+        closes."""
         if error.status == 400:
             log.warning("malformed HTTP request from %s: %s", self._remote, error.reason)
-        if self._task is None and self._transport is not None and not self._transport.is_closing():
-            response = self._server.on_error(error, None)
+        self._broken = error
+        if self._transport is not None:
+            self._transport.pause_reading()
+        if self._task is None:
+            self._answer_broken()
+
+    def _answer_broken(self) -> None:
+        assert self._broken is not None
+        if self._transport is not None and not self._transport.is_closing():
+            response = self._server.on_error(self._broken, None)
             self._transport.write(self.head(response.status, response.headers, False, response))
             self._transport.write(response.body)
         self.close()

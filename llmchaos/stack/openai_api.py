@@ -1,6 +1,6 @@
 """The slice of vLLM's OpenAI-compatible server that the gateway and the workers speak: request
-parsing and validation, OpenAI-shaped errors, and an HTTP server that never answers a client's
-mistake with a 5xx or a traceback.
+parsing and validation, and OpenAI-shaped errors, so that a client's mistake is never answered
+with a 5xx or a traceback (the HTTP side, malformed requests included: httpserver.py).
 
 Requests are checked the way vLLM checks them (`vllm/entrypoints/openai/protocol.py` for
 types and cross-field rules, `SamplingParams._verify_args` for ranges); unknown fields are
@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
-
+from llmchaos.stack.httpserver import Response
 from llmchaos.stack.tokens import count_tokens
 
 __all__ = [
@@ -46,15 +42,12 @@ __all__ = [
     "VERSION",
     "ApiError",
     "GenerationRequest",
-    "OpenAIAppRunner",
     "ToolCallPlan",
-    "error_response",
-    "http_error",
+    "error_answer",
+    "json_answer",
     "parse_generation_request",
     "server_error",
 ]
-
-log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -111,10 +104,14 @@ class ApiError(Exception):
         }
 
 
-def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> web.Response:
-    """The aiohttp response for `exc`, with its own headers and any extra ones."""
-    merged = {**exc.headers, **(headers or {})}
-    return web.json_response(exc.body(), status=exc.status, headers=merged)
+def json_answer(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    """`body` as a JSON answer."""
+    return Response(status, json.dumps(body).encode(), headers=(headers or {}).items())
+
+
+def error_answer(exc: ApiError) -> Response:
+    """The OpenAI error body of `exc`, with its headers (Retry-After, Allow)."""
+    return json_answer(exc.body(), exc.status, exc.headers)
 
 
 _HTTP_CODES = {
@@ -123,12 +120,6 @@ _HTTP_CODES = {
     413: "request_too_large",
     400: "invalid_http_request",
 }
-
-
-def http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
-    """An aiohttp HTTP error (no route, wrong method, body over the limit) as an ApiError."""
-    allow = exc.headers.get("Allow")  # the one header of aiohttp's worth keeping (405)
-    return server_error(exc.status, exc.reason, (request.method, request.path), allow)
 
 
 def server_error(
@@ -144,46 +135,6 @@ def server_error(
     else:
         message = f"{request[0]} {request[1]}: {reason}"
     return ApiError(status, message, code=code, headers={"Allow": allow} if allow else None)
-
-
-class _OpenAIRequestHandler(RequestHandler):
-    """aiohttp's connection handler, with its own answer to what never reaches the app:
-    malformed HTTP gets a short OpenAI-shaped 400 and one log line (aiohttp's own is plain
-    text and an ERROR with a traceback); a real 5xx is still logged with its traceback."""
-
-    def handle_error(
-        self,
-        request: BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if status >= 500:
-            return super().handle_error(request, status, exc, message)
-        reason = " ".join(str(exc or message or "bad request").split())[:200]
-        log.warning("malformed HTTP request from %s: %s", request.remote, reason)
-        if request.writer.output_size > 0:
-            raise ConnectionError("an answer was already sent on this connection")
-        error = server_error(status, reason, None)
-        response = error_response(error)
-        response.force_close()
-        return response
-
-
-class OpenAIAppRunner(web.AppRunner):
-    """web.AppRunner whose connections are handled by `_OpenAIRequestHandler`."""
-
-    @property
-    def server(self) -> Callable[[], RequestHandler] | None:  # type: ignore[override]
-        server = super().server
-        if server is None:
-            return None
-
-        def protocol() -> RequestHandler:
-            # what web.Server.__call__ does, with our handler class (aiohttp 3.14, pinned)
-            return _OpenAIRequestHandler(server, loop=server._loop, **server._kwargs)
-
-        return protocol
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ from llmchaos.stack.openai_api import (
     VERSION,
     ApiError,
     GenerationRequest,
+    error_answer,
+    json_answer,
     parse_generation_request,
     server_error,
 )
@@ -175,15 +177,6 @@ class _Worker:
         return max(0.0, self.ready_at - asyncio.get_running_loop().time())
 
 
-def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(status, json.dumps(body).encode(), headers=(headers or {}).items())
-
-
-def _error_answer(error: ApiError) -> Response:
-    """The OpenAI error body of `error`, with its headers (Retry-After, Allow)."""
-    return _json_response(error.body(), error.status, error.headers)
-
-
 class WorkerServer:
     """One engine worker: `port = await start()`, serve, `await stop()`.
 
@@ -223,7 +216,7 @@ class WorkerServer:
             "/version": {"GET": route(_version)},
             "/metrics": {"GET": route(_metrics)},
             "/gpu/processes": {"GET": route(_gpu_processes)},
-            **fault_routes(worker.fault, _json_response),
+            **fault_routes(worker.fault, json_answer),
         }
         self._server = HttpServer(
             routes,
@@ -263,7 +256,7 @@ def _on_error(worker: _Worker, exc: BaseException, request: Request | None) -> R
         log.exception("unexpected error in %s %s", request.method, request.path, exc_info=exc)
         error = ApiError(500, "internal error in the engine worker", type="internal_server_error")
     worker.metrics.count_error(error)
-    return _error_answer(error)
+    return error_answer(error)
 
 
 async def _chat_completions(
@@ -427,7 +420,7 @@ async def _models(worker: _Worker, request: Request, responder: Responder) -> Re
         "owned_by": "llmchaos",
         "max_model_len": worker.settings.profile.max_model_len,
     }
-    return _json_response({"object": "list", "data": [model]})
+    return json_answer({"object": "list", "data": [model]})
 
 
 async def _health(worker: _Worker, request: Request, responder: Responder) -> Response:
@@ -437,7 +430,7 @@ async def _health(worker: _Worker, request: Request, responder: Responder) -> Re
 
 
 async def _version(worker: _Worker, request: Request, responder: Responder) -> Response:
-    return _json_response({"version": VERSION})
+    return json_answer({"version": VERSION})
 
 
 async def _healthz(worker: _Worker, request: Request, responder: Responder) -> Response:
@@ -451,9 +444,9 @@ async def _healthz(worker: _Worker, request: Request, responder: Responder) -> R
     }
     left_s = worker.loading_left_s()
     if left_s > 0:
-        return _json_response({"status": "loading", **body, "ready_in_s": round(left_s, 3)}, 503)
+        return json_answer({"status": "loading", **body, "ready_in_s": round(left_s, 3)}, 503)
     stats = worker.engine.stats()
-    return _json_response(
+    return json_answer(
         {"status": "ready", **body, "running": stats.running, "waiting": stats.waiting}
     )
 
@@ -467,14 +460,14 @@ async def _metrics(worker: _Worker, request: Request, responder: Responder) -> R
 async def _gpu_processes(worker: _Worker, request: Request, responder: Responder) -> Response:
     settings = worker.settings
     if settings.profile.mode != "gpu":
-        return _json_response([])
+        return json_answer([])
     process = {
         "pid": os.getpid(),
         "process_name": sys.executable,
         "used_memory_mib": settings.profile.gpu_memory_mib,
         "gpu_index": settings.gpu_index,
     }
-    return _json_response([process])
+    return json_answer([process])
 
 
 async def serve(settings: WorkerSettings) -> None:

@@ -217,6 +217,18 @@ async def test_malformed_http_gets_a_400_and_the_connection_closes(
     assert "malformed HTTP request" in caplog.text and "Traceback" not in caplog.text
 
 
+async def test_requests_before_a_malformed_one_are_answered_first() -> None:
+    # a header value with a line break ends the headers early: what follows is garbage
+    raw = (
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nX-A: b\r\n\r\n"
+        b"Cont\x01ent: y\r\n\r\n"
+    )
+    async with _serving() as (port, _, _):
+        (first, second) = await _exchange(port, raw, answers=2)
+    assert (first[0], json.loads(first[2])["body"]) == (200, "Cont")
+    assert second[0] == 400 and second[1]["connection"] == "close"
+
+
 async def test_a_client_that_leaves_cancels_its_handler_and_idle_connections_close() -> None:
     async with _serving(keepalive_s=0.3) as (port, app, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

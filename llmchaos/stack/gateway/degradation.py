@@ -38,7 +38,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from yarl import URL
 
@@ -47,6 +46,7 @@ from llmchaos.stack.settings import DegradationSettings
 
 __all__ = [
     "DEGRADED_HEADER",
+    "DEGRADED_HEADERS",
     "Degradation",
     "DegradationState",
     "EngineScrape",
@@ -59,7 +59,8 @@ __all__ = [
 log = logging.getLogger("llmchaos.stack.gateway")
 
 DEGRADED_HEADER = "X-Degraded"
-_DEGRADED_KEY = web.RequestKey("llmchaos.degraded", bool)
+DEGRADED_HEADERS = ((DEGRADED_HEADER, "true"),)
+"""On every answer to a request admitted while degraded (a shed 429 too)."""
 _WAITING = "vllm:num_requests_waiting"
 _E2E_BUCKET = "vllm:e2e_request_latency_seconds_bucket"
 
@@ -245,22 +246,13 @@ class Degradation:
         )
         queue.set_function(lambda: self.queue)
 
-    def install(self, app: web.Application) -> None:
-        """Mark the answers of requests admitted while degraded."""
-        app.on_response_prepare.append(self._mark)
-
-    @staticmethod
-    async def _mark(request: web.Request, response: web.StreamResponse) -> None:
-        if request.get(_DEGRADED_KEY):
-            response.headers[DEGRADED_HEADER] = "true"
-
-    def admit(self, request: web.Request, generation: GenerationRequest, body: bytes) -> bytes:
-        """The body to forward: as it came, or with max_tokens cut while degraded. Raises
+    def admit(self, generation: GenerationRequest, body: bytes) -> tuple[bytes, bool]:
+        """The body to forward (as it came, or with max_tokens cut while degraded) and
+        whether the gateway is degraded (its answer then carries DEGRADED_HEADERS). Raises
         ApiError 429 with Retry-After while degraded and the engines' queue is still past the
         threshold."""
         if not self.state.degraded:
-            return body
-        request[_DEGRADED_KEY] = True
+            return body, False
         threshold = self._settings.queue_depth_threshold
         if self.queue > threshold:
             self._shed.inc()
@@ -270,14 +262,15 @@ class Degradation:
                 f"after {self._retry_after_s} s",
                 type="requests",
                 code="rate_limit_exceeded",
-                headers={"Retry-After": str(self._retry_after_s)},
+                headers={"Retry-After": str(self._retry_after_s), **dict(DEGRADED_HEADERS)},
             )
         self._answers.inc()
-        return cap_max_tokens(body, generation, self._settings.degraded_max_tokens)
+        return cap_max_tokens(body, generation, self._settings.degraded_max_tokens), True
 
-    def output_tokens(self, request: web.Request, generation: GenerationRequest) -> int:
-        """The most output tokens the admitted `request` asks for, after admit's cut."""
-        if request.get(_DEGRADED_KEY):
+    def output_tokens(self, degraded: bool, generation: GenerationRequest) -> int:
+        """The most output tokens a request admitted (`degraded` or not) asks for, after
+        admit's cut."""
+        if degraded:
             return min(generation.output_tokens, self._settings.degraded_max_tokens)
         return generation.output_tokens
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp import web
 
 from llmchaos.stack.gateway.metrics import GatewayMetrics
 from llmchaos.stack.gateway.routing import Worker, WorkerPool
+from llmchaos.stack.httpserver import Request, Responder, Response
 from llmchaos.stack.openai_api import ApiError
 from llmchaos.stack.settings import GatewaySettings
 
@@ -40,7 +41,7 @@ class _Fetched:
 
     worker: Worker
     upstream: aiohttp.ClientResponse
-    headers: dict[str, str]
+    headers: list[tuple[str, str]]
     body: bytes
     """The whole answer (plain, or a stream that is not 200), else the stream's first chunk."""
     streaming: bool
@@ -49,7 +50,7 @@ class _Fetched:
 class _AttemptFailed(Exception):
     """One upstream attempt failed before anything reached the client."""
 
-    def __init__(self, reason: str, response: web.Response | None = None) -> None:
+    def __init__(self, reason: str, response: Response | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.response = response
@@ -101,18 +102,21 @@ class Proxy:
 
     async def forward(
         self,
-        request: web.Request,
+        request: Request,
+        responder: Responder,
         path: str,
         body: bytes,
         stream: bool,
         tenant: str,
         prompt_tokens: int = 0,
         output_tokens: int = 0,
-    ) -> tuple[web.StreamResponse, str]:
-        """Proxy one request to `path` of a worker; returns the response sent and the serving
-        mode ("none" if no worker answered). A prompt over `hedge_max_prompt_tokens` is never
-        hedged; `output_tokens` (the most the request asks for) decides whether it may spill
-        to a cpu worker (routing.py).
+        answer_headers: Sequence[tuple[str, str]] = (),
+    ) -> tuple[int, Response | None, str]:
+        """Proxy one request to `path` of a worker; returns the status, the answer (None when
+        it was streamed through `responder`) and the serving mode ("none" if no worker
+        answered). A prompt over `hedge_max_prompt_tokens` is never hedged; `output_tokens`
+        (the most the request asks for) decides whether it may spill to a cpu worker
+        (routing.py); `answer_headers` go on the answer besides the worker's.
 
         Raises ApiError 503 `no_healthy_upstream` when no worker can be tried, 502/504 when
         every attempt failed without an answer.
@@ -120,8 +124,8 @@ class Proxy:
         headers = {"Content-Type": "application/json", "X-Tenant": tenant}
         for name in _PASSED_HEADERS:
             value = request.headers.get(name)
-            # a value aiohttp could not send again (non-ASCII, bytes it decoded as surrogates)
-            # is dropped: tracing is the client's option, not a reason to fail its request
+            # a value aiohttp could not send again (non-ASCII, control characters) is
+            # dropped: tracing is the client's option, not a reason to fail its request
             if value is not None and value.isascii() and value.isprintable():
                 headers[name] = value
         self._hedge_tokens = min(_HEDGE_BURST, self._hedge_tokens + self._hedge_budget_ratio)
@@ -177,8 +181,10 @@ class Proxy:
                         if worker is hedge:
                             self._eject_outrun(running, worker, time.monotonic() - sent_at)
                     await self._cancel(running)  # the loser, or one that fetched as well
+                    fetched.headers += answer_headers
                     try:
-                        return await self._deliver(request, fetched), worker.mode
+                        answer = await self._deliver(request, responder, fetched)
+                        return fetched.upstream.status, answer, worker.mode
                     finally:
                         worker.outstanding -= 1
                 if not running and failure is not None and retries_left > 0:
@@ -195,7 +201,8 @@ class Proxy:
                 code="no_healthy_upstream",
             )
         if failure.response is not None:
-            return failure.response, tried[-1].mode
+            failure.response.headers = [*failure.response.headers, *answer_headers]
+            return failure.response.status, failure.response, tried[-1].mode
         timed_out = failure.reason.endswith("timeout")
         raise ApiError(
             504 if timed_out else 502,
@@ -252,18 +259,18 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _AttemptFailed(_failure_reason(exc)) from None
         try:
-            reply_headers = {
-                "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-                "X-Serving-Mode": worker.mode,
-                "X-Worker": upstream.headers.get("X-Worker", worker.name),
-            }
+            reply_headers = [
+                ("X-Serving-Mode", worker.mode),
+                ("X-Worker", upstream.headers.get("X-Worker", worker.name)),
+            ]
             streaming = stream and upstream.status == 200
             try:
                 payload = await (upstream.content.readany() if streaming else upstream.read())
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _AttemptFailed(_failure_reason(exc)) from None
             if upstream.status >= 500:
-                response = web.Response(body=payload, status=upstream.status, headers=reply_headers)
+                content_type = upstream.headers.get("Content-Type", "application/json")
+                response = Response(upstream.status, payload, content_type, reply_headers)
                 raise _AttemptFailed(f"http_{upstream.status}", response)
         except BaseException:
             upstream.release()  # cancelled (a hedge lost) or failed: close, do not pool
@@ -272,40 +279,42 @@ class Proxy:
             upstream.release()
         return _Fetched(worker, upstream, reply_headers, payload, streaming)
 
-    async def _deliver(self, request: web.Request, fetched: _Fetched) -> web.StreamResponse:
+    async def _deliver(
+        self, request: Request, responder: Responder, fetched: _Fetched
+    ) -> Response | None:
+        upstream = fetched.upstream
         if not fetched.streaming:
-            return web.Response(
-                body=fetched.body, status=fetched.upstream.status, headers=fetched.headers
-            )
+            content_type = upstream.headers.get("Content-Type", "application/json")
+            return Response(upstream.status, fetched.body, content_type, fetched.headers)
         try:
-            return await self._relay_stream(request, fetched)
+            await self._relay_stream(request, responder, fetched)
+            return None
         finally:
             # closes the connection instead of pooling it if the body was not read to the end
-            fetched.upstream.release()
+            upstream.release()
 
-    async def _relay_stream(self, request: web.Request, fetched: _Fetched) -> web.StreamResponse:
+    async def _relay_stream(
+        self, request: Request, responder: Responder, fetched: _Fetched
+    ) -> None:
         worker, upstream = fetched.worker, fetched.upstream
-        fetched.headers["Cache-Control"] = "no-cache"
-        response = web.StreamResponse(status=upstream.status, headers=fetched.headers)
-        await response.prepare(request)
+        content_type = upstream.headers.get("Content-Type", "text/event-stream")
+        headers = [("Content-Type", content_type), ("Cache-Control", "no-cache")]
         content = upstream.content
         chunk = fetched.body
-        while chunk:
-            try:
-                await response.write(chunk)
-            except ConnectionError:
-                self._metrics.client_disconnects.inc()
-                return response
-            try:
-                chunk = await content.readany()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                reason = _failure_reason(exc)
-                self._metrics.broken_streams.inc()
-                self._metrics.upstream_failures.labels(worker=worker.name, reason=reason).inc()
-                self._pool.eject(worker, f"stream broken: {reason}", answered=True)
-                if request.transport is not None:
+        try:
+            await responder.start(upstream.status, [*headers, *fetched.headers])
+            while chunk:
+                await responder.write(chunk)
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    reason = _failure_reason(exc)
+                    self._metrics.broken_streams.inc()
+                    self._metrics.upstream_failures.labels(worker=worker.name, reason=reason).inc()
+                    self._pool.eject(worker, f"stream broken: {reason}", answered=True)
                     # no final chunk: the client must see a broken stream, not a short one
                     request.transport.close()
-                return response
-        await response.write_eof()
-        return response
+                    return
+            await responder.end()
+        except ConnectionError:
+            self._metrics.client_disconnects.inc()

@@ -19,26 +19,25 @@ import sqlite3
 import time
 
 import aiohttp
-from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from llmchaos.errors import StackError
 from llmchaos.stack.gateway.auth import TokenAuthenticator, TokenDb
-from llmchaos.stack.gateway.degradation import Degradation
+from llmchaos.stack.gateway.degradation import DEGRADED_HEADERS, Degradation
 from llmchaos.stack.gateway.discovery import Discovery
 from llmchaos.stack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from llmchaos.stack.gateway.proxy import Proxy
 from llmchaos.stack.gateway.routing import WorkerPool
+from llmchaos.stack.httpserver import HttpError, HttpServer, Request, Responder, Response
 from llmchaos.stack.openai_api import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     MAX_BODY_BYTES,
     VERSION,
     ApiError,
-    OpenAIAppRunner,
-    error_response,
-    http_error,
+    error_answer,
+    json_answer,
     parse_generation_request,
+    server_error,
 )
 from llmchaos.stack.settings import GatewaySettings
 
@@ -79,7 +78,7 @@ class Gateway:
         }
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
-        self._runner: web.AppRunner | None = None
+        self._server: HttpServer | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._degradation_task: asyncio.Task[None] | None = None
         self.discovery = (
@@ -110,33 +109,29 @@ class Gateway:
         await self.pool.check_all(self._session)
         self._health_task = asyncio.create_task(self.pool.run_health_checks(self._session))
         self._degradation_task = asyncio.create_task(self.degradation.run(self._session))
-        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
-        app.router.add_post(CHAT_PATH, self._chat_completions)
-        app.router.add_post(COMPLETIONS_PATH, self._completions)
-        app.router.add_get("/v1/models", self._list_models)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/version", self._version)
-        app.router.add_get("/metrics", self._metrics)
-        app.on_response_prepare.append(self._add_gateway_header)
-        self.degradation.install(app)
-        self._runner = OpenAIAppRunner(
-            app,
-            access_log=None,
-            handler_cancellation=True,  # a client that goes away cancels its upstream request
-            shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+        # a client that goes away cancels its handler, and so its upstream request
+        self._server = HttpServer(
+            {
+                CHAT_PATH: {"POST": self._chat_completions},
+                COMPLETIONS_PATH: {"POST": self._completions},
+                "/v1/models": {"GET": self._list_models},
+                "/healthz": {"GET": self._healthz},
+                "/health": {"GET": self._health},
+                "/version": {"GET": self._version},
+                "/metrics": {"GET": self._metrics},
+            },
+            self._on_error,
+            headers=[("X-Gateway", self.settings.name)],
+            max_body_bytes=MAX_BODY_BYTES,
         )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=1024)
         try:
-            await site.start()
+            self.port = await self._server.start(self.settings.host, self.settings.port)
         except OSError as exc:
             await self.stop()
             raise StackError(
                 f"gateway {self.settings.name}: cannot listen on "
                 f"{self.settings.host}:{self.settings.port}: {exc}"
             ) from exc
-        self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
         """Stop listening and release every connection, pool and thread."""
@@ -145,47 +140,46 @@ class Gateway:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed(_SHUTDOWN_TIMEOUT_S)
         if self._session is not None:
             await self._session.close()
         await self._auth.close()
         self._db.close()
 
-    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, CHAT_PATH)
+    async def _chat_completions(self, request: Request, responder: Responder) -> Response | None:
+        return await self._generate(request, responder, CHAT_PATH)
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, COMPLETIONS_PATH)
+    async def _completions(self, request: Request, responder: Responder) -> Response | None:
+        return await self._generate(request, responder, COMPLETIONS_PATH)
 
-    async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
+    async def _generate(self, request: Request, responder: Responder, path: str) -> Response | None:
         started_s = time.perf_counter()
         mode = "none"
         status = 500
+        degraded = False
         try:
             tenant = await self._authenticate(request)
-            try:
-                body = await request.read()
-            except web.HTTPException as exc:  # over client_max_size: 413
-                raise http_error(exc, request) from None
-            generation = parse_generation_request(body, self._models, path == CHAT_PATH)
+            generation = parse_generation_request(request.body, self._models, path == CHAT_PATH)
             self._admit()
-            body = self.degradation.admit(request, generation, body)
+            body, degraded = self.degradation.admit(generation, request.body)
             assert self._proxy is not None
-            response, mode = await self._proxy.forward(
+            status, response, mode = await self._proxy.forward(
                 request,
+                responder,
                 path,
                 body,
                 generation.stream,
                 tenant,
                 sum(generation.prompt_tokens),
-                self.degradation.output_tokens(request, generation),
+                self.degradation.output_tokens(degraded, generation),
+                DEGRADED_HEADERS if degraded else (),
             )
-            status = response.status
             return response
         except ApiError as exc:
             status = exc.status
-            return error_response(exc)
+            return error_answer(exc)
         except asyncio.CancelledError:
             status = _CLIENT_CLOSED_STATUS
             self.metrics.client_disconnects.inc()
@@ -193,12 +187,12 @@ class Gateway:
         finally:
             self.metrics.observe_request(mode, status, time.perf_counter() - started_s)
 
-    async def _authenticate(self, request: web.Request) -> str:
+    async def _authenticate(self, request: Request) -> str:
         """The tenant of the request's bearer token.
 
         Raises ApiError 401 `invalid_api_key`, or 503 when the token table cannot be read.
         """
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise ApiError(
@@ -247,18 +241,18 @@ class Gateway:
             headers={"Retry-After": str(retry_after_s)},
         )
 
-    async def _list_models(self, request: web.Request) -> web.Response:
+    async def _list_models(self, request: Request, _: Responder) -> Response:
         await self._authenticate(request)
-        return web.json_response(self._models_body)
+        return json_answer(self._models_body)
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+    async def _health(self, request: Request, _: Responder) -> Response:
+        return Response(content_type="text/plain")
 
-    async def _version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": VERSION})
+    async def _version(self, request: Request, _: Responder) -> Response:
+        return json_answer({"version": VERSION})
 
-    async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response(
+    async def _healthz(self, request: Request, _: Responder) -> Response:
+        return json_answer(
             {
                 "status": "ok",
                 "name": self.settings.name,
@@ -267,25 +261,18 @@ class Gateway:
             }
         )
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    async def _metrics(self, request: Request, _: Responder) -> Response:
+        return Response(body=self.metrics.render(), content_type=CONTENT_TYPE)
 
-    async def _add_gateway_header(self, request: web.Request, response: web.StreamResponse) -> None:
-        response.headers["X-Gateway"] = self.settings.name
-
-    @web.middleware
-    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Turn every error into an OpenAI error body; log the unexpected ones."""
-        try:
-            return await handler(request)
-        except ApiError as exc:
-            return error_response(exc)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            return error_response(http_error(exc, request))
-        except Exception:
-            log.exception("unexpected error in %s %s", request.method, request.path)
-            return error_response(
-                ApiError(500, "internal gateway error", type="server_error", code="internal_error")
-            )
+    def _on_error(self, exc: BaseException, request: Request | None) -> Response:
+        """Every error as an OpenAI error body; the unexpected ones logged."""
+        if isinstance(exc, ApiError):
+            return error_answer(exc)
+        if isinstance(exc, HttpError):
+            where = None if request is None else (request.method, request.path)
+            return error_answer(server_error(exc.status, exc.reason, where, exc.allow))
+        assert request is not None
+        log.exception("unexpected error in %s %s", request.method, request.path, exc_info=exc)
+        return error_answer(
+            ApiError(500, "internal gateway error", type="server_error", code="internal_error")
+        )
