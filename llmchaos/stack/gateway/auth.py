@@ -26,13 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
 from llmchaos.errors import StackError
 from llmchaos.stack.gateway.metrics import GatewayMetrics
+from llmchaos.stack.gateway.redis_client import RedisClient
 from llmchaos.stack.settings import REDIS_PASSWORD_ENV, GatewaySettings
 
 __all__ = ["KEY_PREFIX", "NEGATIVE_ENTRY", "TokenAuthenticator", "TokenDb"]
@@ -43,8 +39,6 @@ KEY_PREFIX = "token:"
 NEGATIVE_ENTRY = ""
 """Cached value of an unknown or revoked token (a tenant name is never empty)."""
 _MAX_TOKEN_CHARS = 256
-_REDIS_MAX_CONNECTIONS = 2048
-"""Far above the commands one event loop has in flight; Redis's own limit is 10000."""
 _LOOKUP_SQL = "SELECT tenant, revoked FROM tokens WHERE token = ?"
 
 
@@ -125,28 +119,20 @@ class TokenAuthenticator:
         self._db = db
         self._metrics = metrics
         self._redis_retry_s = settings.redis_retry_s
-        # one connection per command in flight; a small cap would fail ("too many connections",
-        # hence SQLite) exactly in a burst, and a blocking pool costs a condition wait per
-        # command. No socket timeout: one asyncio.timeout per command is cheaper than
-        # redis-py's per-read ones.
-        pool = aioredis.ConnectionPool.from_url(
+        # one pipelined connection; no socket timeout: one asyncio.timeout per command, and
+        # no retry: SQLite is the retry
+        self._redis = RedisClient(
             settings.redis_url,
             password=os.environ.get(REDIS_PASSWORD_ENV) or None,
-            max_connections=_REDIS_MAX_CONNECTIONS,
-            socket_connect_timeout=settings.redis_timeout_s,
-            socket_timeout=None,
-            # a retry would double the time to fall back; SQLite is the retry
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
+            connect_timeout_s=settings.redis_timeout_s,
         )
-        self._redis = aioredis.Redis(connection_pool=pool)
         self._redis_timeout_s = settings.redis_timeout_s
         self._skip_redis_until = 0.0
         self._inflight: dict[str, asyncio.Task[str | None]] = {}
 
     async def close(self) -> None:
         """Close the Redis connections."""
-        await self._redis.aclose(close_connection_pool=True)
+        await self._redis.close()
 
     async def tenant_for(self, token: str) -> str | None:
         """The tenant of `token`, None if it is unknown or revoked.
@@ -161,7 +147,7 @@ class TokenAuthenticator:
         try:
             async with asyncio.timeout(self._redis_timeout_s):
                 cached = await self._redis.get(KEY_PREFIX + token)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             self._redis_failed(exc)
             self._metrics.cache_fallbacks.inc()
             return await self._resolve(token, write_back=False)
@@ -216,7 +202,7 @@ class TokenAuthenticator:
                     NEGATIVE_ENTRY if tenant is None else tenant,
                     px=max(1, int(ttl_s * 1000)),
                 )
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             self._redis_failed(exc)
 
     def _redis_failed(self, exc: BaseException) -> None:
