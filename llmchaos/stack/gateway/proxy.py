@@ -20,10 +20,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import aiohttp
-
 from llmchaos.stack.gateway.metrics import GatewayMetrics
 from llmchaos.stack.gateway.routing import Worker, WorkerPool
+from llmchaos.stack.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from llmchaos.stack.httpserver import Request, Responder, Response
 from llmchaos.stack.openai_api import ApiError
 from llmchaos.stack.settings import GatewaySettings
@@ -40,7 +39,7 @@ class _Fetched:
     """What an attempt got before anything went to the client."""
 
     worker: Worker
-    upstream: aiohttp.ClientResponse
+    upstream: UpstreamResponse
     headers: list[tuple[str, str]]
     body: bytes
     """The whole answer (plain, or a stream that is not 200), else the stream's first chunk."""
@@ -57,16 +56,8 @@ class _AttemptFailed(Exception):
         """The worker's own 5xx answer, returned as it is if no retry succeeds."""
 
 
-def _failure_reason(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return "connect_timeout"
-    if isinstance(exc, aiohttp.SocketTimeoutError):
-        return "read_timeout"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect_error"
-    if isinstance(exc, TimeoutError):
-        return "first_byte_timeout"
-    return "disconnect"
+def _failure_reason(exc: UpstreamError | TimeoutError) -> str:
+    return exc.reason if isinstance(exc, UpstreamError) else "first_byte_timeout"
 
 
 _HEDGE_BURST = 10.0
@@ -81,11 +72,11 @@ class Proxy:
         settings: GatewaySettings,
         pool: WorkerPool,
         metrics: GatewayMetrics,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
     ) -> None:
         self._pool = pool
         self._metrics = metrics
-        self._session = session
+        self._upstream = upstream
         # no failover, no retry, no hedge: the client gets the first worker's answer
         self._max_retries = max(0, settings.max_retries) if settings.failover else 0
         self._hedge_after_s = max(0.0, settings.hedge_after_s) if settings.failover else 0.0
@@ -94,11 +85,6 @@ class Proxy:
         self._hedge_tokens = _HEDGE_BURST
         self._first_byte_timeout_s = settings.first_byte_timeout_s
         self._gateway_name = settings.name
-        self._timeout = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=settings.connect_timeout_s,
-            sock_read=settings.stream_idle_timeout_s,
-        )
 
     async def forward(
         self,
@@ -253,23 +239,21 @@ class Proxy:
         """One attempt up to the point where the client would first be sent something."""
         try:
             async with asyncio.timeout(self._first_byte_timeout_s):
-                upstream = await self._session.post(
-                    worker.urls[path], data=body, headers=headers, timeout=self._timeout
-                )
-        except (aiohttp.ClientError, TimeoutError) as exc:
+                upstream = await self._upstream.post(worker.urls[path], body, headers)
+        except (UpstreamError, TimeoutError) as exc:
             raise _AttemptFailed(_failure_reason(exc)) from None
         try:
             reply_headers = [
                 ("X-Serving-Mode", worker.mode),
-                ("X-Worker", upstream.headers.get("X-Worker", worker.name)),
+                ("X-Worker", upstream.headers.get("x-worker", worker.name)),
             ]
             streaming = stream and upstream.status == 200
             try:
-                payload = await (upstream.content.readany() if streaming else upstream.read())
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                payload = await (upstream.readany() if streaming else upstream.read())
+            except UpstreamError as exc:
                 raise _AttemptFailed(_failure_reason(exc)) from None
             if upstream.status >= 500:
-                content_type = upstream.headers.get("Content-Type", "application/json")
+                content_type = upstream.headers.get("content-type", "application/json")
                 response = Response(upstream.status, payload, content_type, reply_headers)
                 raise _AttemptFailed(f"http_{upstream.status}", response)
         except BaseException:
@@ -284,7 +268,7 @@ class Proxy:
     ) -> Response | None:
         upstream = fetched.upstream
         if not fetched.streaming:
-            content_type = upstream.headers.get("Content-Type", "application/json")
+            content_type = upstream.headers.get("content-type", "application/json")
             return Response(upstream.status, fetched.body, content_type, fetched.headers)
         try:
             await self._relay_stream(request, responder, fetched)
@@ -297,17 +281,16 @@ class Proxy:
         self, request: Request, responder: Responder, fetched: _Fetched
     ) -> None:
         worker, upstream = fetched.worker, fetched.upstream
-        content_type = upstream.headers.get("Content-Type", "text/event-stream")
+        content_type = upstream.headers.get("content-type", "text/event-stream")
         headers = [("Content-Type", content_type), ("Cache-Control", "no-cache")]
-        content = upstream.content
         chunk = fetched.body
         try:
             await responder.start(upstream.status, [*headers, *fetched.headers])
             while chunk:
                 await responder.write(chunk)
                 try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                    chunk = await upstream.readany()
+                except UpstreamError as exc:
                     reason = _failure_reason(exc)
                     self._metrics.broken_streams.inc()
                     self._metrics.upstream_failures.labels(worker=worker.name, reason=reason).inc()

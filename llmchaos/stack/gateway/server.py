@@ -27,6 +27,7 @@ from llmchaos.stack.gateway.discovery import Discovery
 from llmchaos.stack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from llmchaos.stack.gateway.proxy import Proxy
 from llmchaos.stack.gateway.routing import WorkerPool
+from llmchaos.stack.gateway.upstream import UpstreamPool
 from llmchaos.stack.httpserver import HttpError, HttpServer, Request, Responder, Response
 from llmchaos.stack.openai_api import (
     CHAT_PATH,
@@ -78,6 +79,7 @@ class Gateway:
         }
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
+        self._upstream: UpstreamPool | None = None
         self._server: HttpServer | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._degradation_task: asyncio.Task[None] | None = None
@@ -96,12 +98,15 @@ class Gateway:
         Raises StackError if the token table cannot be read or the address cannot be bound.
         """
         self._db.open()
-        # one session for every upstream: its connector keeps a keep-alive pool per worker
+        # health checks, discovery and the engines' /metrics (proxied requests: UpstreamPool)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        self._proxy = Proxy(self.settings, self.pool, self.metrics, self._session)
+        self._upstream = UpstreamPool(
+            self.settings.connect_timeout_s, self.settings.stream_idle_timeout_s
+        )
+        self._proxy = Proxy(self.settings, self.pool, self.metrics, self._upstream)
         # a first round before listening, so a fresh gateway does not 503 for one interval
         if self.discovery is not None:
             await self.discovery.poll(self._session)
@@ -145,6 +150,8 @@ class Gateway:
             await self._server.wait_closed(_SHUTDOWN_TIMEOUT_S)
         if self._session is not None:
             await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
         await self._auth.close()
         self._db.close()
 
