@@ -42,8 +42,13 @@ log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 65536
 """A request line and headers longer than this are refused (no client of a worker sends that)."""
-_MAX_QUEUED = 32
+_MAX_QUEUED = 8
 """Pipelined requests parsed ahead of the one being served before reading pauses."""
+_LINGER_S = 2.0
+_LINGER_BYTES = 4 << 20
+"""After an error answer that ends a connection, what the client still sends is read and
+dropped for this long (or this much): closing at once would reset the connection and the
+client would never read the 413 or 400, as aiohttp's lingering close avoids."""
 
 
 class HttpError(Exception):
@@ -90,6 +95,14 @@ ErrorHandler = Callable[[BaseException, Request | None], Response]
 request could not be parsed)."""
 
 
+def _header(name: str, value: str) -> bytes:
+    """One header line; a line break in a value cannot start a header of its own, and what
+    latin-1 cannot carry becomes "?"."""
+    if "\r" in value or "\n" in value:
+        value = value.replace("\r", " ").replace("\n", " ")
+    return f"{name}: {value}\r\n".encode("latin-1", "replace")
+
+
 def _status_line(status: int) -> bytes:
     try:
         phrase = HTTPStatus(status).phrase
@@ -116,13 +129,11 @@ class Responder:
     async def start(self, status: int = 200, headers: Iterable[tuple[str, str]] = ()) -> None:
         """Send the status line and headers. Raises ConnectionResetError when the client is
         gone."""
-        framing = ("Transfer-Encoding", "chunked") if self._chunked else ("Connection", "close")
+        framing = [("Transfer-Encoding", "chunked")] if self._chunked else []
         if not self._chunked:
             self._request.keep_alive = False  # HTTP/1.0: the body ends with the connection
         self.started = True
-        await self._conn.send(
-            self._conn.head(status, [*headers, framing], self._request.keep_alive, None)
-        )
+        await self._conn.send(self._conn.head(status, [*headers, *framing], self._request, None))
 
     async def write(self, data: bytes) -> None:
         """Send `data` (nothing for b""); waits while the client reads slowly. Raises
@@ -155,6 +166,8 @@ class _Connection(asyncio.Protocol):
         self._error: HttpError | None = None
         self._broken: HttpError | None = None
         """A request that could not be parsed, answered once those before it are."""
+        self._lingering = False
+        self._lingered_bytes = 0
         self._reading = True
         self._writable: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
@@ -188,9 +201,11 @@ class _Connection(asyncio.Protocol):
             self._writable.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        if self._lingering:
+            self._lingered_bytes += len(data)
+            if self._lingered_bytes > _LINGER_BYTES:
+                self.close()
+            return
         try:
             self._parser.feed_data(data)
         except Exception as exc:  # httptools' errors, or ours raised from a callback
@@ -200,6 +215,9 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
+        # a request must arrive whole within keepalive_s of its first byte, as an idle
+        # connection must send one: a stalled head or body does not hold the connection
+        self._arm_idle()
         self._error = None
         self._url = b""
         self._headers = {}
@@ -219,7 +237,9 @@ class _Connection(asyncio.Protocol):
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self._server.max_body_bytes:
             self._raise(HttpError(413, "request body over the limit"))
-        if self._headers.get("expect", "").lower() == "100-continue" and self._transport:
+        expects = self._headers.get("expect", "").lower() == "100-continue"
+        # not in the middle of another answer: the client sends its body after a pause anyway
+        if expects and self._transport and self._task is None and not self._queue:
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -230,6 +250,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self._transport is not None
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         try:
             url = httptools.parse_url(self._url)
         except httptools.HttpParserInvalidURLError:
@@ -279,13 +302,17 @@ class _Connection(asyncio.Protocol):
                     self.close()
                     return
             elif response is not None:
-                head = self.head(response.status, response.headers, request.keep_alive, response)
+                head = self.head(response.status, response.headers, request, response)
                 await self.send(head, b"" if request.method == "HEAD" else response.body)
         except (asyncio.CancelledError, ConnectionResetError):
             self.close()
             return
+        except Exception:  # ours, not the handler's: the connection cannot go on
+            log.exception("error answering %s %s", request.method, request.path)
+            self.close()
+            return
         self._task = None
-        if not request.keep_alive:
+        if not request.keep_alive or self._server.stopping:
             self.close()
         elif self._queue:
             self._serve_next()
@@ -298,19 +325,22 @@ class _Connection(asyncio.Protocol):
         self,
         status: int,
         headers: Iterable[tuple[str, str]],
-        keep_alive: bool,
+        request: Request | None,
         response: Response | None,
     ) -> bytes:
-        """The status line and headers: the server's, the answer's, its framing."""
+        """The status line and headers: the server's, the answer's, its framing (for
+        `request`; None: the connection closes after it)."""
         lines = [_STATUS_LINES.get(status) or _status_line(status), self._server.header_block]
         if response is not None:
             lines.append(
-                b"Content-Type: %s\r\nContent-Length: %d\r\n"
-                % (response.content_type.encode(), len(response.body))
+                _header("Content-Type", response.content_type)
+                + b"Content-Length: %d\r\n" % len(response.body)
             )
-        lines += [f"{name}: {value}\r\n".encode("latin-1") for name, value in headers]
-        if not keep_alive:
+        lines += [_header(name, value) for name, value in headers]
+        if request is None or not request.keep_alive or self._server.stopping:
             lines.append(b"Connection: close\r\n")
+        elif not request.http_11:
+            lines.append(b"Connection: keep-alive\r\n")
         lines.append(b"\r\n")
         return b"".join(lines)
 
@@ -342,12 +372,20 @@ class _Connection(asyncio.Protocol):
             self._answer_broken()
 
     def _answer_broken(self) -> None:
+        """Answer the request that could not be parsed, then linger: read and drop what the
+        client still sends for a while before closing, so it gets to read the answer."""
         assert self._broken is not None
-        if self._transport is not None and not self._transport.is_closing():
-            response = self._server.on_error(self._broken, None)
-            self._transport.write(self.head(response.status, response.headers, False, response))
-            self._transport.write(response.body)
-        self.close()
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        response = self._server.on_error(self._broken, None)
+        transport.write(self.head(response.status, response.headers, None, response))
+        transport.write(response.body)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._lingering = True
+        transport.resume_reading()
+        asyncio.get_running_loop().call_later(_LINGER_S, self.close)
 
     def _raise(self, error: HttpError) -> None:
         self._error = error
@@ -359,6 +397,8 @@ class _Connection(asyncio.Protocol):
             self._raise(HttpError(400, f"request line and headers over {MAX_HEAD_BYTES} bytes"))
 
     def _arm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
         self._idle = asyncio.get_running_loop().call_later(self._server.keepalive_s, self.close)
 
 
@@ -378,10 +418,12 @@ class HttpServer:
             if "GET" in methods:
                 methods.setdefault("HEAD", methods["GET"])
         self.on_error = on_error
-        self.header_block = b"".join(f"{n}: {v}\r\n".encode("latin-1") for n, v in headers)
+        self.header_block = b"".join(_header(name, value) for name, value in headers)
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s
         self.connections: set[_Connection] = set()
+        self.stopping = False
+        """Set by close(): answers say `Connection: close`, then their connections close."""
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> int:
@@ -402,7 +444,9 @@ class HttpServer:
         return await handler(request, responder)
 
     def close(self) -> None:
-        """Stop accepting connections; close the idle ones."""
+        """Stop accepting connections; close the idle ones, and the busy ones after their
+        current answer."""
+        self.stopping = True
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):

@@ -187,7 +187,7 @@ async def test_the_gateway_degrades_when_the_engines_queue_passes_the_threshold(
     a.metrics_text, b.metrics_text = engine_metrics(200), engine_metrics(300)
     degradation = DegradationSettings(poll_interval_s=0.05, hold_s=0.5)
     settings = gateway_settings(
-        redis_server, token_db, [a.upstream(), b.upstream()], degradation=degradation
+        redis_server, token_db, [a.upstream(), b.upstream()], degradation=degradation, eject_s=0.2
     )
     caplog.set_level(logging.INFO, logger="llmchaos.stack.gateway")
     async with running_gateway(settings) as gw:
@@ -225,6 +225,16 @@ async def test_the_gateway_degrades_when_the_engines_queue_passes_the_threshold(
         (sent,) = a.received[before[0] :] + b.received[before[1] :]
         assert json.loads(sent.body)["max_tokens"] == 32
         assert await gw.metric("llmchaos_gateway_degraded_requests_total") == 1.0
+        # admitted, then every worker fails: the error is marked too
+        a.behaviour = b.behaviour = "fail"
+        status, headers, _ = await gw.chat(body=body)
+        assert status >= 500 and headers["X-Degraded"] == "true", (status, headers)
+        a.behaviour = b.behaviour = "ok"
+
+        async def back() -> bool:
+            return (await gw.healthy()).get("gpu") == 2
+
+        await wait_for(back, 5.0, "the failed workers to be let back in")
         a.metrics_text = b.metrics_text = engine_metrics(0)
 
         async def recovered() -> bool:

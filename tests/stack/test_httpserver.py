@@ -39,6 +39,10 @@ class _App:
         await responder.write(b"data: 1\n\n")
         raise RuntimeError("the engine died")
 
+    async def slow(self, request: Request, _: Responder) -> Response:
+        await asyncio.sleep(0.3)
+        return Response(body=b"{}")
+
     async def boom(self, request: Request, _: Responder) -> Response:
         raise RuntimeError("boom")
 
@@ -67,6 +71,7 @@ async def _serving(keepalive_s: float = 75.0) -> AsyncIterator[tuple[int, _App, 
         "/stream": {"GET": app.stream},
         "/broken-stream": {"GET": app.broken_stream},
         "/boom": {"GET": app.boom},
+        "/slow": {"GET": app.slow},
         "/hang": {"GET": app.hang},
     }
     server = HttpServer(
@@ -256,4 +261,44 @@ async def test_stop_gives_running_handlers_their_grace_then_cuts_them() -> None:
         assert app.cancelled.is_set()
         assert asyncio.get_running_loop().time() - started < 2.0
         assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+
+
+async def test_a_client_still_sending_a_body_over_the_limit_reads_the_413() -> None:
+    async with _serving() as (port, _, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+        for _ in range(10):  # keeps sending after the answer went out
+            writer.write(b"x" * 100_000)
+            await writer.drain()
+        status, headers, _ = await _read_answer(reader)
+        assert status == 413 and headers["connection"] == "close"
+        writer.close()
+
+
+async def test_a_stalled_request_and_http_1_0_keep_alive() -> None:
+    async with _serving(keepalive_s=0.3) as (port, _, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /echo HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        status, headers, _ = await _read_answer(reader)
+        assert status == 200 and headers["connection"] == "keep-alive"
+        writer.write(b"GET /echo HTTP/1.0\r\n\r\n")  # the same connection, then closed
+        assert (await _read_answer(reader))[0] == 200
+        writer.close()
+
+
+async def test_stopping_answers_the_request_in_flight_with_connection_close() -> None:
+    async with _serving() as (port, _, server):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.05)
+        server.close()
+        status, headers, _ = await _read_answer(reader)
+        assert status == 200 and headers["connection"] == "close"
+        writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed after the answer
         writer.close()

@@ -73,7 +73,27 @@ async def test_a_clean_answer_keeps_its_connection_for_the_next() -> None:
             assert await response.read() == b"{}"
             response.release()
         assert accepted[0] == 1
-    await pool.close()
+    pool.close()
+
+
+async def test_an_informational_answer_is_skipped_and_the_connection_stays_clean() -> None:
+    async def continue_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the real answer in a read of its own
+            writer.write(OK)
+            await writer.drain()
+
+    pool = UpstreamPool(connect_timeout_s=1.0, read_timeout_s=2.0)
+    async with _server(continue_first) as (url, accepted):
+        for _ in range(2):
+            response = await pool.post(url, b"{}", {})
+            assert (response.status, await response.read()) == (200, b"{}")
+            response.release()
+        assert accepted[0] == 1
+    pool.close()
 
 
 async def test_an_answer_left_half_way_closes_its_connection() -> None:
@@ -90,7 +110,7 @@ async def test_an_answer_left_half_way_closes_its_connection() -> None:
             assert await response.readany() == b"ab"
             response.release()  # the rest never read: not pooled
         assert accepted[0] == 2
-    await pool.close()
+    pool.close()
 
 
 async def test_a_chunked_stream_arrives_in_pieces() -> None:
@@ -114,7 +134,7 @@ async def test_a_chunked_stream_arrives_in_pieces() -> None:
             pieces.append(piece)
         assert pieces == [b"data: 1\n\n", b"data: 2\n\n"]
         response.release()
-    await pool.close()
+    pool.close()
 
 
 async def _cut_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -146,7 +166,7 @@ async def test_failures_carry_the_proxys_reason(script: Script, reason: str) -> 
             response = await pool.post(url, b"{}", {})
             await response.read()
     assert caught.value.reason == reason
-    await pool.close()
+    pool.close()
 
 
 async def test_a_closed_port_is_a_connect_error() -> None:
@@ -174,4 +194,4 @@ async def test_a_request_given_up_on_drops_its_connection() -> None:
         assert accepted[0] == 2
         await asyncio.sleep(0.1)
         assert accepted[1] == 1  # the abandoned one was closed, not left open
-    await pool.close()
+    pool.close()

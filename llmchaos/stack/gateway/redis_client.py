@@ -13,8 +13,9 @@ resolve the queue's head.
 
 Failures are OSError (ConnectionError: unreachable, closed; RedisReplyError: an error reply
 such as NOAUTH): the caller falls back to SQLite, as for redis-py's errors. A command the
-caller gave up on (its timeout) keeps its place, so the replies after it still match. A lost
-connection fails what was waiting; the next command connects again.
+caller gave up on (its timeout) closes the connection, which fails what was waiting on it,
+and the next command connects again: a Redis that stopped answering (moved, partitioned,
+paused) is not waited on again. A reply of an unexpected kind closes it too.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
 
+    def close(self) -> None:
+        """Close; the next command opens a new connection (what waits here fails)."""
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         while self.waiting:
@@ -57,43 +64,49 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
+        at = 0
         while self.waiting:
-            parsed = self._reply()
+            parsed, at = self._reply(at)
             if parsed is None:
-                return
+                break
             future = self.waiting.popleft()
+            if isinstance(parsed, _Garbled):  # the order is lost: nothing after can be matched
+                self._buffer = b""
+                self.close()
+                return
             if not future.done():  # not given up on
                 if isinstance(parsed, RedisReplyError):
                     future.set_exception(parsed)
                 else:
                     future.set_result(parsed)
-        if self._buffer and self.transport is not None:
-            self.transport.close()  # a reply nobody asked for: the order is lost
+        self._buffer = self._buffer[at:]
+        if self._buffer and not self.waiting:
+            self.close()  # a reply nobody asked for: the order is lost
 
-    def _reply(self) -> str | RedisReplyError | None:
-        """The next whole reply off the buffer (a missing key's: _NIL); None when it has not
-        all arrived."""
-        end = self._buffer.find(b"\r\n")
+    def _reply(self, at: int) -> tuple[str | RedisReplyError | None, int]:
+        """The reply that starts at `at` of the buffer (a missing key's: _NIL) and where the
+        next one starts; (None, at) when it has not all arrived."""
+        buffer = self._buffer
+        end = buffer.find(b"\r\n", at)
         if end < 0:
-            return None
-        kind, line = self._buffer[:1], self._buffer[1:end]
+            return None, at
+        kind, line = buffer[at : at + 1], buffer[at + 1 : end]
         if kind == b"$":
             size = int(line)
             if size < 0:
-                self._buffer = self._buffer[end + 2 :]
-                return _NIL
-            if len(self._buffer) < end + 2 + size + 2:
-                return None
-            value = self._buffer[end + 2 : end + 2 + size]
-            self._buffer = self._buffer[end + 4 + size :]
-            return value.decode()
-        self._buffer = self._buffer[end + 2 :]
+                return _NIL, end + 2
+            if len(buffer) < end + 2 + size + 2:
+                return None, at
+            return buffer[end + 2 : end + 2 + size].decode(), end + 4 + size
         if kind == b"-":
-            return RedisReplyError(line.decode(errors="replace"))
+            return RedisReplyError(line.decode(errors="replace")), end + 2
         if kind in (b"+", b":"):
-            return line.decode()
-        self._buffer = b""
-        return RedisReplyError(f"unexpected reply {kind!r}")
+            return line.decode(), end + 2
+        return _Garbled(f"unexpected reply {kind!r}"), end + 2
+
+
+class _Garbled(RedisReplyError):
+    """A reply of a kind these commands never get: the connection can no longer be trusted."""
 
 
 class _Nil(str):
@@ -128,8 +141,8 @@ class RedisClient:
     async def close(self) -> None:
         if self._connecting is not None:
             self._connecting.cancel()
-        if self._connection is not None and self._connection.transport is not None:
-            self._connection.transport.close()
+        if self._connection is not None:
+            self._connection.close()
         self._connection = None
 
     async def _send(self, command: bytes) -> str | None:
@@ -140,7 +153,13 @@ class RedisClient:
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         connection.waiting.append(future)
         connection.transport.write(command)
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # given up on (the caller's timeout): a connection that stopped answering, to a
+            # Redis that may be gone without a reset, is not waited on again
+            connection.close()
+            raise
 
     async def _connect(self) -> _Connection:
         # concurrent commands share one attempt
@@ -174,7 +193,7 @@ class RedisClient:
                 for future in futures:
                     await future
         except BaseException:
-            connection.transport.close()
+            connection.close()
             raise
         self._connection = connection
         return connection

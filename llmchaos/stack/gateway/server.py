@@ -151,7 +151,7 @@ class Gateway:
         if self._session is not None:
             await self._session.close()
         if self._upstream is not None:
-            await self._upstream.close()
+            self._upstream.close()
         await self._auth.close()
         self._db.close()
 
@@ -186,7 +186,10 @@ class Gateway:
             return response
         except ApiError as exc:
             status = exc.status
-            return error_answer(exc)
+            answer = error_answer(exc)
+            if degraded:  # admitted while degraded: every answer says so, errors too
+                answer.headers = [*answer.headers, *DEGRADED_HEADERS]
+            return answer
         except asyncio.CancelledError:
             status = _CLIENT_CLOSED_STATUS
             self.metrics.client_disconnects.inc()

@@ -21,12 +21,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import cast
 
 import httptools
 from yarl import URL
 
 __all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse"]
+
+_MAX_CHUNKS = 64
+"""Pieces of an answer held before reading from the worker pauses."""
 
 
 class UpstreamError(Exception):
@@ -50,19 +54,23 @@ class _ReadTimeout(UpstreamError):
 class _Connection(asyncio.Protocol):
     """One keep-alive connection, one answer at a time."""
 
-    def __init__(self, key: tuple[str, int]) -> None:
+    def __init__(self, key: tuple[str, int], on_lost: Callable[[_Connection], None]) -> None:
         self.key = key
         """(host, port) as the pool knows it."""
+        self._on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.lost = False
-        self.idle_since = 0.0
+        self.expecting = False
+        """An answer is due: bytes at any other time mean the connection is not ours to trust."""
+        self.idle_since_s = 0.0
         self._head: asyncio.Future[None] | None = None
         self._headers: dict[str, str] = {}
         self._chunks: deque[bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self.complete = False
         self.keep_alive = False
+        self._paused = False
         self._error: UpstreamError | None = None
 
     def begin(self) -> asyncio.Future[None]:
@@ -71,6 +79,7 @@ class _Connection(asyncio.Protocol):
         self._headers = {}
         self._chunks.clear()
         self.complete = False
+        self.expecting = True
         return self._head
 
     # asyncio.Protocol
@@ -82,8 +91,12 @@ class _Connection(asyncio.Protocol):
         self.lost = True
         if not self.complete:
             self._fail(UpstreamError(f"the worker closed the connection ({exc})"))
+        self._on_lost(self)
 
     def data_received(self, data: bytes) -> None:
+        if not self.expecting:
+            self.close()  # an answer nobody asked for (late, or to another request)
+            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -96,15 +109,23 @@ class _Connection(asyncio.Protocol):
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        if self.status < 200:  # 100 Continue and the like: the answer is still to come
+            return
         self.keep_alive = self._parser.should_keep_alive()
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
+        if len(self._chunks) > _MAX_CHUNKS and not self._paused and self.transport is not None:
+            self._paused = True  # the client reads slower than the worker writes
+            self.transport.pause_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.status < 200:
+            self._headers = {}
+            return
         self.complete = True
         self._wake()
 
@@ -120,6 +141,9 @@ class _Connection(asyncio.Protocol):
 
     async def next_chunk(self, timeout_s: float) -> bytes:
         """The next piece of the body, b"" at its end. Raises UpstreamError."""
+        if self._paused and len(self._chunks) <= _MAX_CHUNKS // 2 and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
         while not self._chunks:
             if self.complete:
                 return b""
@@ -184,7 +208,9 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive connections to the workers, by host and port."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float = 30.0):
+    def __init__(
+        self, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float = 30.0
+    ) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._keepalive_s = keepalive_s
@@ -199,12 +225,14 @@ class UpstreamPool:
         host, port = url.host or "127.0.0.1", url.port or 80
         conn = await self._acquire(host, port)
         head = conn.begin()
-        request = [f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {host}:{port}\r\n"]
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        request = [f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {authority}\r\n"]
         request += [f"{name}: {value}\r\n" for name, value in headers.items()]
         request.append(f"Content-Length: {len(body)}\r\n\r\n")
         assert conn.transport is not None
         try:
-            conn.transport.write("".join(request).encode("latin-1") + body)
+            # what latin-1 cannot carry (a tenant's name) is replaced, not a 500
+            conn.transport.write("".join(request).encode("latin-1", "replace") + body)
             async with asyncio.timeout(self._read_timeout_s):
                 await head
         except BaseException as exc:
@@ -220,10 +248,11 @@ class UpstreamPool:
         if conn.lost or not conn.complete or not conn.keep_alive:
             self._drop(conn)
             return
-        conn.idle_since = time.monotonic()
+        conn.expecting = False
+        conn.idle_since_s = time.monotonic()
         self._idle.setdefault(conn.key, []).append(conn)
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Close every connection."""
         for conn in self._open:
             conn.close()
@@ -235,14 +264,14 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.lost and now - conn.idle_since < self._keepalive_s:
+            if not conn.lost and now - conn.idle_since_s < self._keepalive_s:
                 return conn
             self._drop(conn)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection((host, port)), host, port
+                    lambda: _Connection((host, port), self._forget), host, port
                 )
         except TimeoutError:
             raise _ConnectTimeout(
@@ -256,3 +285,12 @@ class UpstreamPool:
     def _drop(self, conn: _Connection) -> None:
         conn.close()
         self._open.discard(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        """A connection ended: no longer open, nor idle (the worker may be gone for good)."""
+        self._open.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle is not None and conn in idle:
+            idle.remove(conn)
+            if not idle:
+                del self._idle[conn.key]
