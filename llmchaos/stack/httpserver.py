@@ -29,14 +29,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import cast
 
 import httptools
 
-__all__ = ["Handler", "HttpError", "HttpServer", "Request", "Responder", "Response"]
+__all__ = [
+    "Handler",
+    "HttpError",
+    "HttpServer",
+    "Request",
+    "Responder",
+    "Response",
+    "header_line",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +82,11 @@ class Request:
     body: bytes
     keep_alive: bool
     http_11: bool
-    remote: str
     transport: asyncio.Transport
     """For a handler that must cut its answer short, as a failing engine would."""
+    answer_headers: Sequence[tuple[str, str]] = ()
+    """Set by a handler: they go on whatever answers this request, streamed, plain or an
+    error (the gateway's X-Degraded)."""
 
 
 @dataclass(slots=True)
@@ -95,7 +105,7 @@ ErrorHandler = Callable[[BaseException, Request | None], Response]
 request could not be parsed)."""
 
 
-def _header(name: str, value: str) -> bytes:
+def header_line(name: str, value: str) -> bytes:
     """One header line; a line break in a value cannot start a header of its own, and what
     latin-1 cannot carry becomes "?"."""
     if "\r" in value or "\n" in value:
@@ -265,7 +275,6 @@ class _Connection(asyncio.Protocol):
             body=b"".join(self._body),
             keep_alive=self._parser.should_keep_alive(),
             http_11=self._parser.get_http_version() == "1.1",
-            remote=self._remote,
             transport=self._transport,
         )
         self._queue.append(request)
@@ -333,10 +342,12 @@ class _Connection(asyncio.Protocol):
         lines = [_STATUS_LINES.get(status) or _status_line(status), self._server.header_block]
         if response is not None:
             lines.append(
-                _header("Content-Type", response.content_type)
+                header_line("Content-Type", response.content_type)
                 + b"Content-Length: %d\r\n" % len(response.body)
             )
-        lines += [_header(name, value) for name, value in headers]
+        lines += [header_line(name, value) for name, value in headers]
+        if request is not None:
+            lines += [header_line(name, value) for name, value in request.answer_headers]
         if request is None or not request.keep_alive or self._server.stopping:
             lines.append(b"Connection: close\r\n")
         elif not request.http_11:
@@ -418,7 +429,7 @@ class HttpServer:
             if "GET" in methods:
                 methods.setdefault("HEAD", methods["GET"])
         self.on_error = on_error
-        self.header_block = b"".join(_header(name, value) for name, value in headers)
+        self.header_block = b"".join(header_line(name, value) for name, value in headers)
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s
         self.connections: set[_Connection] = set()

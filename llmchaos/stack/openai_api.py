@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmchaos.stack.httpserver import Response
+from llmchaos.stack.httpserver import HttpError, Request, Response
 from llmchaos.stack.tokens import count_tokens
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "ApiError",
     "GenerationRequest",
     "ToolCallPlan",
+    "api_error_for",
     "error_answer",
     "json_answer",
     "parse_generation_request",
@@ -120,6 +122,22 @@ _HTTP_CODES = {
     413: "request_too_large",
     400: "invalid_http_request",
 }
+
+
+def api_error_for(
+    exc: BaseException, request: Request | None, internal: ApiError, log: logging.Logger
+) -> ApiError:
+    """What to answer for `exc`, raised while serving `request` (None: it could not be
+    parsed): itself if an ApiError, the server's own errors (httpserver.HttpError) as
+    server_error says, and anything else `internal`, its traceback in `log` only."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, HttpError):
+        where = None if request is None else (request.method, request.path)
+        return server_error(exc.status, exc.reason, where, exc.allow)
+    where_text = "?" if request is None else f"{request.method} {request.path}"
+    log.error("unexpected error in %s", where_text, exc_info=exc)
+    return internal
 
 
 def server_error(

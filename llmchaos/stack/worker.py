@@ -43,7 +43,7 @@ from llmchaos.errors import InvalidInput, StackError
 from llmchaos.stack.engine import Engine, EngineStopped, Sequence, SequenceResult, check_profile
 from llmchaos.stack.generation import ChoicePlan, StreamChunks, completion_body, plan_choices
 from llmchaos.stack.gpu_fault import GpuFault, fault_routes
-from llmchaos.stack.httpserver import Handler, HttpError, HttpServer, Request, Responder, Response
+from llmchaos.stack.httpserver import Handler, HttpServer, Request, Responder, Response
 from llmchaos.stack.openai_api import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -51,10 +51,10 @@ from llmchaos.stack.openai_api import (
     VERSION,
     ApiError,
     GenerationRequest,
+    api_error_for,
     error_answer,
     json_answer,
     parse_generation_request,
-    server_error,
 )
 from llmchaos.stack.settings import WorkerSettings, load_settings
 
@@ -77,6 +77,9 @@ E2E_BUCKETS_S = (
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 """vLLM's buckets of vllm:e2e_request_latency_seconds."""
+
+_INTERNAL_ERROR = ApiError(500, "internal error in the engine worker", type="internal_server_error")
+"""The answer to an error of ours (its traceback goes to the log only)."""
 
 _SSE_DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"))
@@ -245,16 +248,8 @@ _WorkerHandler = Callable[[_Worker, Request, Responder], Awaitable[Response | No
 
 
 def _on_error(worker: _Worker, exc: BaseException, request: Request | None) -> Response:
-    """Every error as an OpenAI error body, counted; a traceback only in the log."""
-    if isinstance(exc, ApiError):
-        error = exc
-    elif isinstance(exc, HttpError):
-        where = None if request is None else (request.method, request.path)
-        error = server_error(exc.status, exc.reason, where, exc.allow)
-    else:
-        assert request is not None
-        log.exception("unexpected error in %s %s", request.method, request.path, exc_info=exc)
-        error = ApiError(500, "internal error in the engine worker", type="internal_server_error")
+    """Every error as an OpenAI error body, counted."""
+    error = api_error_for(exc, request, _INTERNAL_ERROR, log)
     worker.metrics.count_error(error)
     return error_answer(error)
 

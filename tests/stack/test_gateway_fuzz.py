@@ -30,6 +30,7 @@ from tests.stack.gateway_fixtures import (
     gateway_settings,
     write_token_db,
 )
+from tests.stack.malformed_http import MALFORMED_REQUESTS
 
 FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stop", "stream",
@@ -180,28 +181,7 @@ def test_any_request_is_answered_below_500_with_an_openai_error(
     check(*send(gateway, raw))
 
 
-@pytest.mark.parametrize(
-    "raw",
-    [
-        b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-        b"\r\nzz\r\n",
-        b"BREW /v1/chat/completions HTTP/1.1\r\n\r\n",
-        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS ClientHello to a plain port
-        b"POST /v1/chat/completions HTTP/9.9\r\n\r\n",
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost x\r\n\r\n",
-        b"POST /v1/chat/completions HTTP/1.1\r\n" + b"X-Big: " + b"a" * 70_000 + b"\r\n\r\n",
-    ],
-    ids=[
-        "bad-length",
-        "bad-chunk",
-        "bad-method",
-        "tls",
-        "bad-version",
-        "bad-header",
-        "huge-header",
-    ],
-)
+@pytest.mark.parametrize("raw", MALFORMED_REQUESTS)
 def test_malformed_http_gets_a_short_openai_error_and_no_traceback(
     gateway: int, raw: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:

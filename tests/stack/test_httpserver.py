@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from llmchaos.stack.httpserver import HttpError, HttpServer, Request, Responder, Response
+from tests.stack.malformed_http import MALFORMED_REQUESTS
 
 pytestmark = pytest.mark.asyncio
 
@@ -199,18 +200,7 @@ async def test_routes_methods_head_and_handler_errors() -> None:
         writer.close()
 
 
-@pytest.mark.parametrize(
-    "raw",
-    [
-        b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
-        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS ClientHello to a plain port
-        b"POST /echo HTTP/9.9\r\n\r\n",
-        b"POST /echo HTTP/1.1\r\nHost x\r\n\r\n",
-        b"POST /echo HTTP/1.1\r\n" + b"X-Big: " + b"a" * 70_000 + b"\r\n\r\n",
-    ],
-    ids=["bad-length", "bad-chunk", "tls", "bad-version", "bad-header", "huge-header"],
-)
+@pytest.mark.parametrize("raw", MALFORMED_REQUESTS)
 async def test_malformed_http_gets_a_400_and_the_connection_closes(
     raw: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:

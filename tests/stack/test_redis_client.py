@@ -30,7 +30,7 @@ async def test_get_set_missing_and_empty(redis_server: RedisServer) -> None:
         await asyncio.gather(*(client.set(k, k.upper(), px=60_000) for k in keys))
         assert await asyncio.gather(*(client.get(k) for k in keys)) == [k.upper() for k in keys]
     finally:
-        await client.close()
+        client.close()
 
 
 async def test_a_command_given_up_on_drops_its_connection(redis_server: RedisServer) -> None:
@@ -45,7 +45,7 @@ async def test_a_command_given_up_on_drops_its_connection(redis_server: RedisSer
         clients = redis_server.client.execute_command("CLIENT", "LIST").splitlines()
         assert len(clients) == 2, clients  # the test's own and the new one, not the old
     finally:
-        await client.close()
+        client.close()
 
 
 async def test_a_lost_connection_fails_then_reconnects(redis_server: RedisServer) -> None:
@@ -59,7 +59,7 @@ async def test_a_lost_connection_fails_then_reconnects(redis_server: RedisServer
         with pytest.raises(OSError):
             await client.get("token:c")
     finally:
-        await client.close()
+        client.close()
 
 
 async def test_password_and_database(redis_server: RedisServer) -> None:
@@ -69,12 +69,12 @@ async def test_password_and_database(redis_server: RedisServer) -> None:
     without = RedisClient(url, password=None, connect_timeout_s=1.0)
     with pytest.raises(RedisReplyError, match="NOAUTH"):
         await without.get("token:d")
-    await without.close()
+    without.close()
     client = RedisClient(url, password="s3cret", connect_timeout_s=1.0)
     try:
         await client.set("token:d", "tenant-d", px=60_000)
         redis_server.client.execute_command("SELECT", "3")
         assert redis_server.client.get("token:d") == "tenant-d"
     finally:
-        await client.close()
+        client.close()
         redis_server.client.config_set("requirepass", "")

@@ -130,9 +130,9 @@ class TokenAuthenticator:
         self._skip_redis_until = 0.0
         self._inflight: dict[str, asyncio.Task[str | None]] = {}
 
-    async def close(self) -> None:
-        """Close the Redis connections."""
-        await self._redis.close()
+    def close(self) -> None:
+        """Close the Redis connection."""
+        self._redis.close()
 
     async def tenant_for(self, token: str) -> str | None:
         """The tenant of `token`, None if it is unknown or revoked.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmchaos.stack.gateway.metrics import GatewayMetrics
@@ -96,13 +95,12 @@ class Proxy:
         tenant: str,
         prompt_tokens: int = 0,
         output_tokens: int = 0,
-        answer_headers: Sequence[tuple[str, str]] = (),
     ) -> tuple[int, Response | None, str]:
         """Proxy one request to `path` of a worker; returns the status, the answer (None when
         it was streamed through `responder`) and the serving mode ("none" if no worker
         answered). A prompt over `hedge_max_prompt_tokens` is never hedged; `output_tokens`
         (the most the request asks for) decides whether it may spill to a cpu worker
-        (routing.py); `answer_headers` go on the answer besides the worker's.
+        (routing.py).
 
         Raises ApiError 503 `no_healthy_upstream` when no worker can be tried, 502/504 when
         every attempt failed without an answer.
@@ -167,7 +165,6 @@ class Proxy:
                         if worker is hedge:
                             self._eject_outrun(running, worker, time.monotonic() - sent_at)
                     await self._cancel(running)  # the loser, or one that fetched as well
-                    fetched.headers += answer_headers
                     try:
                         answer = await self._deliver(request, responder, fetched)
                         return fetched.upstream.status, answer, worker.mode
@@ -187,7 +184,6 @@ class Proxy:
                 code="no_healthy_upstream",
             )
         if failure.response is not None:
-            failure.response.headers = [*failure.response.headers, *answer_headers]
             return failure.response.status, failure.response, tried[-1].mode
         timed_out = failure.reason.endswith("timeout")
         raise ApiError(

@@ -49,6 +49,14 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
 
+    def send(self, command: bytes) -> asyncio.Future[str | None]:
+        """Write `command`; the future resolves with its reply."""
+        assert self.transport is not None
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self.waiting.append(future)
+        self.transport.write(command)
+        return future
+
     def close(self) -> None:
         """Close; the next command opens a new connection (what waits here fails)."""
         self.lost = True
@@ -138,7 +146,7 @@ class RedisClient:
         """Set `key` to `value` for `px` milliseconds. Raises OSError."""
         await self._send(_command("SET", key, value, "PX", str(px)))
 
-    async def close(self) -> None:
+    def close(self) -> None:
         if self._connecting is not None:
             self._connecting.cancel()
         if self._connection is not None:
@@ -149,12 +157,8 @@ class RedisClient:
         connection = self._connection
         if connection is None or connection.lost:
             connection = await self._connect()
-        assert connection.transport is not None
-        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        connection.waiting.append(future)
-        connection.transport.write(command)
         try:
-            return await future
+            return await connection.send(command)
         except asyncio.CancelledError:
             # given up on (the caller's timeout): a connection that stopped answering, to a
             # Redis that may be gone without a reset, is not waited on again
@@ -176,18 +180,11 @@ class RedisClient:
             raise ConnectionError(
                 f"redis {self._host}:{self._port}: no connection within {self._connect_timeout_s} s"
             ) from None
-        assert connection.transport is not None
-        setup = []
-        if self._password:
-            setup.append(_command("AUTH", self._password))
-        if self._db:
-            setup.append(_command("SELECT", str(self._db)))
         futures = []
-        for command in setup:
-            future: asyncio.Future[str | None] = loop.create_future()
-            connection.waiting.append(future)
-            connection.transport.write(command)
-            futures.append(future)
+        if self._password:
+            futures.append(connection.send(_command("AUTH", self._password)))
+        if self._db:
+            futures.append(connection.send(_command("SELECT", str(self._db))))
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 for future in futures:

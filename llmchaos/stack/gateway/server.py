@@ -28,17 +28,17 @@ from llmchaos.stack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from llmchaos.stack.gateway.proxy import Proxy
 from llmchaos.stack.gateway.routing import WorkerPool
 from llmchaos.stack.gateway.upstream import UpstreamPool
-from llmchaos.stack.httpserver import HttpError, HttpServer, Request, Responder, Response
+from llmchaos.stack.httpserver import HttpServer, Request, Responder, Response
 from llmchaos.stack.openai_api import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     MAX_BODY_BYTES,
     VERSION,
     ApiError,
+    api_error_for,
     error_answer,
     json_answer,
     parse_generation_request,
-    server_error,
 )
 from llmchaos.stack.settings import GatewaySettings
 
@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 _SHUTDOWN_TIMEOUT_S = 0.15
 """Grace for in-flight requests at stop; short, since HAProxy retries on the other gateway."""
+_INTERNAL_ERROR = ApiError(
+    500, "internal gateway error", type="server_error", code="internal_error"
+)
 _CLIENT_CLOSED_STATUS = 499
 """Status recorded (never sent) for a request whose client went away, as nginx logs it."""
 _TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
@@ -152,7 +155,7 @@ class Gateway:
             await self._session.close()
         if self._upstream is not None:
             self._upstream.close()
-        await self._auth.close()
+        self._auth.close()
         self._db.close()
 
     async def _chat_completions(self, request: Request, responder: Responder) -> Response | None:
@@ -165,12 +168,13 @@ class Gateway:
         started_s = time.perf_counter()
         mode = "none"
         status = 500
-        degraded = False
         try:
             tenant = await self._authenticate(request)
             generation = parse_generation_request(request.body, self._models, path == CHAT_PATH)
             self._admit()
             body, degraded = self.degradation.admit(generation, request.body)
+            if degraded:  # every answer to it says so, an error too
+                request.answer_headers = DEGRADED_HEADERS
             assert self._proxy is not None
             status, response, mode = await self._proxy.forward(
                 request,
@@ -181,15 +185,11 @@ class Gateway:
                 tenant,
                 sum(generation.prompt_tokens),
                 self.degradation.output_tokens(degraded, generation),
-                DEGRADED_HEADERS if degraded else (),
             )
             return response
         except ApiError as exc:
             status = exc.status
-            answer = error_answer(exc)
-            if degraded:  # admitted while degraded: every answer says so, errors too
-                answer.headers = [*answer.headers, *DEGRADED_HEADERS]
-            return answer
+            return error_answer(exc)
         except asyncio.CancelledError:
             status = _CLIENT_CLOSED_STATUS
             self.metrics.client_disconnects.inc()
@@ -275,14 +275,4 @@ class Gateway:
         return Response(body=self.metrics.render(), content_type=CONTENT_TYPE)
 
     def _on_error(self, exc: BaseException, request: Request | None) -> Response:
-        """Every error as an OpenAI error body; the unexpected ones logged."""
-        if isinstance(exc, ApiError):
-            return error_answer(exc)
-        if isinstance(exc, HttpError):
-            where = None if request is None else (request.method, request.path)
-            return error_answer(server_error(exc.status, exc.reason, where, exc.allow))
-        assert request is not None
-        log.exception("unexpected error in %s %s", request.method, request.path, exc_info=exc)
-        return error_answer(
-            ApiError(500, "internal gateway error", type="server_error", code="internal_error")
-        )
+        return error_answer(api_error_for(exc, request, _INTERNAL_ERROR, log))

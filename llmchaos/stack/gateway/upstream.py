@@ -27,6 +27,8 @@ from typing import cast
 import httptools
 from yarl import URL
 
+from llmchaos.stack.httpserver import header_line
+
 __all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse"]
 
 _MAX_CHUNKS = 64
@@ -226,13 +228,13 @@ class UpstreamPool:
         conn = await self._acquire(host, port)
         head = conn.begin()
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        request = [f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {authority}\r\n"]
-        request += [f"{name}: {value}\r\n" for name, value in headers.items()]
-        request.append(f"Content-Length: {len(body)}\r\n\r\n")
+        request = [f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {authority}\r\n".encode()]
+        # a value latin-1 cannot carry (a tenant's name) is replaced, not a 500
+        request += [header_line(name, value) for name, value in headers.items()]
+        request.append(b"Content-Length: %d\r\n\r\n" % len(body))
         assert conn.transport is not None
         try:
-            # what latin-1 cannot carry (a tenant's name) is replaced, not a 500
-            conn.transport.write("".join(request).encode("latin-1", "replace") + body)
+            conn.transport.write(b"".join(request) + body)
             async with asyncio.timeout(self._read_timeout_s):
                 await head
         except BaseException as exc:
