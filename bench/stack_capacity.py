@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/stack_capacity.py [--qps 250,500,1000,1250,1500] [--step-s 15]
                                              [--traffic short|field] [--load-workers 1]
-                                             [--active-gateways 1]
+                                             [--active-gateways 1] [--fleet-for QPS]
 
 Starts the default (hardened) stack, then for each QPS step runs the open-loop load
 (`llmchaos.load.LoadRun`, on the same machine) for --step-s seconds and prints achieved QPS,
@@ -12,7 +12,9 @@ and idle time (softirq, much of loopback TCP, may be in no process's time). The 
 the highest step with P99 under 2 s and errors under 1%. Traffic `short` (10-token prompts, 4
 output tokens) measures the software path; `field` (the load's defaults, TrafficSpec: Zipf
 prompts over a 512-token template, median 8 output tokens (log-normal, at most 1024), 30%
-streaming) is bound by the two simulated GPUs instead. Not a test: figures for the README.
+streaming) is bound by the two simulated GPUs instead, unless `--fleet-for QPS` lays the stack
+out for that rate of the field traffic (llmchaos.stack.fleet, as `stack up --qps`). Not a test:
+figures for the README.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import psutil
 from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.traffic import TrafficSpec
 from llmchaos.stack.config import StackConfig
+from llmchaos.stack.fleet import DEFAULT_TRAFFIC, plan_fleet
 from llmchaos.stack.stack import start_stack, stop_stack
 from llmchaos.stack.topology import Topology, read_agent_state
 
@@ -142,10 +145,22 @@ def main() -> int:
         help="gateways HAProxy spreads requests over, besides the backup (a fleet for N QPS "
         "has ceil(N / 1000) + 1)",
     )
+    parser.add_argument(
+        "--fleet-for",
+        type=float,
+        default=None,
+        metavar="QPS",
+        help="lay the stack out for this rate of the field traffic (replaces --active-gateways)",
+    )
     args = parser.parse_args()
     steps = [float(q) for q in args.qps.split(",")]
 
-    topology = start_stack(StackConfig(port=0, active_gateways=args.active_gateways), progress=True)
+    config = StackConfig(port=0, active_gateways=args.active_gateways)
+    if args.fleet_for:
+        layout = plan_fleet(args.fleet_for, DEFAULT_TRAFFIC)
+        print(layout.describe(), file=sys.stderr)
+        config = layout.stack_config(config)
+    topology = start_stack(config, progress=True)
     results = []
     try:
         for qps in steps:

@@ -45,6 +45,7 @@ from llmchaos.report import write_run_report
 from llmchaos.report.summary import hypothesis_outcome
 from llmchaos.run import ChaosRun, planned_target
 from llmchaos.settings import RunSettings
+from llmchaos.targets import target_kind
 from llmchaos.validation import check_experiment, other_configuration_keys
 
 __all__ = [
@@ -122,6 +123,10 @@ def _set_signals(handler: Any, which: tuple[int, ...]) -> None:
         _saved_handlers.setdefault(sig, previous)
 
 
+def _log_progress(line: str) -> None:
+    log.info("llmchaos: %s", line)
+
+
 def _restore_signals() -> None:
     signals.restore(_saved_handlers)
     _saved_handlers.clear()
@@ -145,6 +150,11 @@ def before_experiment_control(
         settings = RunSettings.from_configuration(
             configuration, other_keys=other_configuration_keys(context)
         )
+        assert settings.target_settings is not None
+        if target_kind(settings.target).prepare(settings.target_settings, _log_progress):
+            settings = RunSettings.from_configuration(
+                configuration, other_keys=other_configuration_keys(context)
+            )
         info = planned_target(settings)
         problems = check_experiment(context, dict(configuration or {}), info, settings)
         if problems:

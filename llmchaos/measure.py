@@ -217,9 +217,14 @@ def served_in_mode_since_fault(run: ChaosRun, mode: str = "cpu", min_share: floa
     return share >= min_share
 
 
-def queue_depth(run: ChaosRun) -> float:
-    """Requests waiting in the engines now (sum of vllm:num_requests_waiting)."""
-    return run.target.queue_depth()
+def queue_depth(run: ChaosRun, per_gpu: bool = False) -> float:
+    """Requests waiting in the engines now (sum of vllm:num_requests_waiting); `per_gpu`:
+    divided by the GPU workers the target has, dead ones included (the average per replica
+    that autoscalers scale on: the same bound whatever the fleet's size)."""
+    depth = run.target.queue_depth()
+    if not per_gpu:
+        return depth
+    return depth / max(1, run.target.info().gpu_count)
 
 
 def kv_cache_usage(run: ChaosRun) -> float:

@@ -1,9 +1,10 @@
-"""`llmchaos validate`, `llmchaos cleanup` and `llmchaos gameday`: the commands around Chaos
-Toolkit runs."""
+"""`llmchaos validate`, `llmchaos cleanup`, `llmchaos gameday` and `llmchaos calibrate`: the
+commands around Chaos Toolkit runs."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,8 @@ _DEFAULTS = RunSettings()
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the `validate`, `cleanup` and `gameday` commands to the llmchaos command line."""
+    """Add the `validate`, `cleanup`, `gameday` and `calibrate` commands to the llmchaos
+    command line."""
     validate = subparsers.add_parser(
         "validate",
         help="check experiments as Chaos Toolkit does, and against the target's names",
@@ -97,6 +99,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     gameday.set_defaults(func=_gameday)
 
+    calibrate = subparsers.add_parser(
+        "calibrate",
+        help="measure the rate this machine sustains during a GPU kill: what chaos runs send "
+        "the embedded stack by default (cached; LLMCHAOS_CALIBRATION_FILE)",
+    )
+    calibrate.add_argument(
+        "--force", action="store_true", help="measure again even when this machine's is cached"
+    )
+    calibrate.add_argument(
+        "--show", action="store_true", help="only print the cached calibration (exit 1: none)"
+    )
+    calibrate.set_defaults(func=_calibrate)
+
 
 def _validate(args: argparse.Namespace) -> int:
     invalid = 0
@@ -110,6 +125,17 @@ def _validate(args: argparse.Namespace) -> int:
         else:
             print(f"{path}: ok")
     return 2 if invalid else 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    kind = target_kind(os.environ.get("LLMCHAOS_TARGET", "embedded"))
+    measure = "never" if args.show else "again" if args.force else "if-missing"
+    described = kind.calibration(kind.settings({}, os.environ), measure=measure, progress=print)
+    if described is None:
+        print("no calibration of this machine cached", file=sys.stderr)
+        return 1
+    print(described)
+    return 0
 
 
 def _cleanup(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from llmchaos.configuration import (
     settings_keys,
 )
 from llmchaos.errors import InvalidInput
+from llmchaos.load.config import QPS_PER_PROCESS as QPS_PER_LOAD_PROCESS
 from llmchaos.load.timeline import FAILURE_CLASSES
 from llmchaos.load.traffic import TrafficSpec
 from llmchaos.targets import KINDS, TargetSettings, target_kind
@@ -50,14 +51,13 @@ __all__ = [
 
 ERROR_CLASSES = FAILURE_CLASSES
 """Failure classes the load counts: what `error_classes` may name."""
-QPS_PER_LOAD_PROCESS = 2500.0
-"""What one Locust process sends open loop here (llmchaos/load/README.md)."""
 MAX_LOAD_PROCESSES = 64
 """Most load processes one machine runs (LoadConfig.workers allows 64)."""
 
 _DAY_S = 86400.0
 SETTING_RANGES: dict[str, Range] = {
     "qps": Range(0, 1_000_000, low_open=True),
+    "peak_factor": Range(1, 100),
     "load_workers": Range(1, MAX_LOAD_PROCESSES),
     "request_timeout_s": Range(0, 3600, low_open=True),
     "warmup_s": Range(0, 3600),
@@ -121,6 +121,10 @@ class RunSettings:
     # -- the load ------------------------------------------------------------------------
     qps: float = 50.0
     """Total request rate the experiment asks for (the catalogue says 5000, for a cluster)."""
+    peak_factor: float = 1.0
+    """How far above the rate the experiment's method takes the load at most (a burst that
+    doubles it: 2). A target with a cap (this machine's calibrated rate) takes `qps` up to
+    the cap divided by this, so the peak fits, and a fleet is laid out for the peak."""
     load_workers: int = 1
     """Locust processes sending the load (one sustains ~2,500 QPS here)."""
     load_profile: str = "poisson"
@@ -150,7 +154,9 @@ class RunSettings:
     """Outcomes that count as failures for the SLO. Other 4xx (bad token, bad request) are
     the client's fault and stay out by default; 429 counts: a shed request is not served."""
     queue_depth_slo: float = 100.0
-    """Requests waiting in the engines (sum of vllm:num_requests_waiting) allowed."""
+    """Requests waiting in the engines allowed: the limit of the queue-depth probe (the sum
+    of vllm:num_requests_waiting, or per GPU worker when it says `per_gpu`, as the
+    catalogue's do)."""
     sla_s: float = 45.0
     """Recovery SLA: seconds from the fault until the SLO holds again for `stable_for_s`
     (seed: a killed GPU process was rescheduled in ~45 s)."""
@@ -214,10 +220,10 @@ class RunSettings:
     @property
     def effective_qps(self) -> float:
         """The rate the load runs at: `qps`, capped at what the target takes (the embedded
-        stack's `embedded_max_qps` on this machine)."""
+        stack's calibrated rate on this machine) divided by `peak_factor`."""
         assert self.target_settings is not None
         cap = target_kind(self.target).max_qps(self.target_settings)
-        return self.qps if cap is None else min(self.qps, cap)
+        return self.qps if cap is None else min(self.qps, cap / self.peak_factor)
 
     @property
     def load_processes(self) -> int:
@@ -263,7 +269,7 @@ class RunSettings:
             environ,
             extra={"target": target, "target_settings": target_settings},
         )
-        sized = kind.sized_for(target_settings, run.effective_qps, run.traffic)
+        sized = kind.sized_for(target_settings, run.effective_qps * run.peak_factor, run.traffic)
         return run if sized is target_settings else dataclasses.replace(run, target_settings=sized)
 
     def to_dict(self) -> dict[str, Any]:

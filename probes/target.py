@@ -29,9 +29,11 @@ __all__ = [
 ]
 
 
-def queue_depth() -> float:
-    """Requests waiting in the engines now: sum of vllm:num_requests_waiting."""
-    return measure.queue_depth(current_run())
+def queue_depth(per_gpu: bool = False) -> float:
+    """Requests waiting in the engines now: sum of vllm:num_requests_waiting; `per_gpu`:
+    that sum over the GPU workers the target has (dead ones included), the average per
+    replica autoscalers scale on, which means the same at any fleet size."""
+    return measure.queue_depth(current_run(), per_gpu)
 
 
 def kv_cache_usage() -> float:

@@ -24,7 +24,7 @@ from llmchaos.settings import RunSettings
 from llmchaos.targets import DEFAULT_VARIANT, target_kind
 from llmchaos.validation import ExperimentMeta, experiment_meta, validate_experiment_file
 
-__all__ = ["Case", "cases", "check_case"]
+__all__ = ["Case", "calibrate_target", "cases", "check_case"]
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,11 @@ class Case:
     must_pass: bool
     meta: ExperimentMeta | None
     """None when the file could not be read: the test then reports why."""
-    env: tuple[tuple[str, str], ...] = ()
-    """Settings from the environment for this case (LLMCHAOS_QPS=1000, ...)."""
-    label: str = ""
-    """Says what `env` changes, in the case's id and title ("1000qps")."""
 
     @property
     def id(self) -> str:
         kind = "default" if self.must_pass else "negative"
-        at = f"@{self.label}" if self.label else ""
-        return f"{self.path.stem}{at}[{kind}:{self.variant}]"
+        return f"{self.path.stem}[{kind}:{self.variant}]"
 
     def __repr__(self) -> str:  # what Allure shows as the test's parameter
         return self.id
@@ -77,11 +72,19 @@ def _target_variants() -> tuple[str, ...]:
     return target_kind(settings.target).variants(settings.target_settings)
 
 
+def calibrate_target() -> None:
+    """Measure this machine's rate for the target before the first case, when it is not
+    cached and no cap is given (the embedded stack; nothing for a cluster), so no case's
+    time includes it."""
+    settings = RunSettings.from_configuration({}, os.environ)
+    assert settings.target_settings is not None
+    target_kind(settings.target).prepare(settings.target_settings, progress=print)
+
+
 def check_case(case: Case, run_experiment: ExperimentRunner) -> None:
     """Run `case` through `chaos run` and fail the test unless it reached its verdict."""
     expectation = "must pass" if case.must_pass else "known-bad: must fail"
-    at = f" at {case.label}" if case.label else ""
-    allure.dynamic.title(f"{case.path.stem}{at} on {case.variant} ({expectation})")
+    allure.dynamic.title(f"{case.path.stem} on {case.variant} ({expectation})")
     allure.dynamic.story(case.path.stem)
     problems = validate_experiment_file(case.path)
     if problems or case.meta is None:
@@ -96,7 +99,7 @@ def check_case(case: Case, run_experiment: ExperimentRunner) -> None:
     allure.dynamic.feature(case.meta.fault_type)
     allure.dynamic.severity(case.meta.severity)
     allure.dynamic.tag("negative-control" if not case.must_pass else "default")
-    outcome = run_experiment(case.path, case.variant, dict(case.env))
+    outcome = run_experiment(case.path, case.variant, {})
     report_outcome(outcome)
     result = outcome.result
     if case.must_pass:

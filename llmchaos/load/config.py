@@ -19,9 +19,12 @@ from llmchaos.errors import InvalidInput
 from llmchaos.load.goodput import GoodputSlo
 from llmchaos.load.traffic import TrafficSpec
 
-__all__ = ["PROFILE_NAMES", "LoadConfig", "default_run_dir", "validate"]
+__all__ = ["PROFILE_NAMES", "QPS_PER_PROCESS", "LoadConfig", "default_run_dir", "validate"]
 
 PROFILE_NAMES = ("constant", "poisson", "bursty", "stepped")
+QPS_PER_PROCESS = 2500.0
+"""What one Locust process sends open loop here (llmchaos/load/README.md): a run needs one
+per this many QPS."""
 DEFAULT_DURATION_S = 60.0
 
 

@@ -62,6 +62,7 @@ from llmchaos.stack.config import (
     MAX_GPU_WORKERS,
     MAX_GPUS_PER_NODE,
     StackConfig,
+    get_variant,
 )
 from llmchaos.stack.settings import CPU_PROFILE, GPU_PROFILE, EngineProfile
 
@@ -231,20 +232,23 @@ class FleetLayout:
         """Rate the GPUs carry at the target utilisation with any one node lost."""
         return (self.gpu_nodes - 1) * self.gpus_per_node * self.gpu_rated_qps
 
-    def sizes(self) -> dict[str, int]:
-        """The StackConfig fields this fleet sets."""
+    def sizes(self, variant: str = "hardened") -> dict[str, int]:
+        """The StackConfig fields this fleet sets for `variant`. A variant without the backup
+        gateway gets one gateway in all: its known fault is that nothing stands in for a
+        crashed gateway, which active-active ones would."""
         return {
             "gpu_workers": self.gpu_workers,
             "gpus_per_node": self.gpus_per_node,
             "cpu_workers": self.cpu_workers,
-            "active_gateways": self.active_gateways,
+            "active_gateways": self.active_gateways if get_variant(variant).backup_gateway else 1,
         }
 
     def stack_config(self, base: StackConfig, **overrides: int) -> StackConfig:
-        """`base` with this fleet's workers, nodes and gateways (the rest kept), and
-        `overrides` of those (explicit flags) on top. Raises InvalidInput as StackConfig
-        does for a fleet past its limits (check_fits_here says it in terms of --qps)."""
-        return replace(base, **{**self.sizes(), **overrides})
+        """`base` with this fleet's workers, nodes and gateways for its variant (the rest
+        kept), and `overrides` of those (explicit flags) on top. Raises InvalidInput as
+        StackConfig does for a fleet past its limits (check_fits_here says it in terms of
+        --qps)."""
+        return replace(base, **{**self.sizes(base.variant), **overrides})
 
     def describe(self) -> str:
         """One paragraph for `llmchaos stack up --qps`."""

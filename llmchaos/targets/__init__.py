@@ -27,10 +27,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from llmchaos.configuration import build_settings, settings_from_record, settings_keys
 from llmchaos.errors import InvalidInput
@@ -149,6 +149,11 @@ class TargetInfo:
         """A real name stays itself (a cluster node may well be called node-a)."""
         known = {*self.nodes, *(w.name for w in self.workers), *self.gateways}
         return name if name in known else self.aliases.get(name, name)
+
+    @property
+    def gpu_count(self) -> int:
+        """GPU workers the target has (dead or loading ones included)."""
+        return sum(1 for worker in self.workers if worker.mode == "gpu")
 
     def gpu_workers(self, worker: str = "", node: str = "") -> list[str]:
         """GPU workers selected by name ("*" = all) or by node; real names.
@@ -600,6 +605,24 @@ class TargetKind(ABC):
     def max_qps_source(self, settings: TargetSettings) -> str:
         """Where that cap is set, for the run's note when it caps a rate."""
         return "the target's settings"
+
+    def prepare(self, settings: TargetSettings, progress: Callable[[str], None]) -> bool:
+        """Measure, before a run, what this target's defaults depend on when it is not known
+        yet (the embedded stack: this machine's rate); True when something was measured, so
+        settings built before must be built again. Nothing by default."""
+        return False
+
+    def calibration(
+        self,
+        settings: TargetSettings,
+        *,
+        measure: Literal["if-missing", "again", "never"],
+        progress: Callable[[str], None],
+    ) -> str | None:
+        """The rate this machine sustains against this target, described (`llmchaos
+        calibrate`): the cached one, measured when missing or `again`; None when `never` and
+        none is cached. Raises InvalidInput for a kind that is not calibrated."""
+        raise InvalidInput(f"target {self.name}: nothing to calibrate (it sets no default cap)")
 
     @abstractmethod
     def plan(self, settings: TargetSettings) -> TargetInfo:

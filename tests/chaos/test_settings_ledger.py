@@ -13,7 +13,7 @@ from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import FaultLedger, Undo
 from llmchaos.load.traffic import TrafficSpec
 from llmchaos.settings import SETTING_RANGES, RunSettings
-from llmchaos.targets.embedded import EmbeddedSettings
+from llmchaos.targets.embedded import REFERENCE_QPS, EmbeddedSettings
 
 
 def test_configuration_wins_over_environment_over_default() -> None:
@@ -26,9 +26,16 @@ def test_configuration_wins_over_environment_over_default() -> None:
 
 
 def test_embedded_qps_is_capped_and_cluster_qps_is_not() -> None:
-    settings = RunSettings(qps=5000)
-    assert settings.effective_qps == settings.target_settings.embedded_max_qps  # type: ignore[union-attr]
-    assert RunSettings(qps=50).effective_qps == 50
+    # no calibration cached (tests/conftest.py): the reference layout's rate
+    assert RunSettings(qps=5000).effective_qps == REFERENCE_QPS
+    capped = RunSettings.from_configuration({"qps": 5000, "embedded_max_qps": 300}, {})
+    assert capped.effective_qps == 300
+    assert RunSettings(qps=40).effective_qps == 40
+    # a burst to twice the rate must fit under the cap too
+    burst = RunSettings.from_configuration(
+        {"qps": 5000, "embedded_max_qps": 300, "peak_factor": 2}, {}
+    )
+    assert burst.effective_qps == 150
     k8s = RunSettings.from_configuration(
         {"target": "k8s", "qps": 5000, "k8s_allowed_namespaces": "llm", "k8s_namespace": "llm"}, {}
     )

@@ -14,7 +14,7 @@ from llmchaos.errors import InvalidInput
 from llmchaos.load.traffic import TrafficModel, TrafficSpec
 from llmchaos.settings import RunSettings
 from llmchaos.stack import netns
-from llmchaos.stack.config import StackConfig
+from llmchaos.stack.config import MAX_GPU_WORKERS, StackConfig
 from llmchaos.stack.fleet import (
     DEFAULT_TRAFFIC,
     FleetLayout,
@@ -142,7 +142,7 @@ def test_a_fleet_past_this_machine_is_refused_naming_qps_and_the_limit() -> None
         check_fits_here(plan_fleet(most + 50, SEED))
     message = str(refused.value)
     assert f"--qps {most + 50}" in message and "GPU workers" in message
-    assert "at most 20" in message and f"--qps at most {most}" in message
+    assert f"at most {MAX_GPU_WORKERS}" in message and f"--qps at most {most}" in message
     assert "with 2 GPUs per node" in message
     # a part given explicitly is the user's call
     check_fits_here(plan_fleet(5000, SEED), overridden=frozenset({"gpu_workers", "cpu_workers"}))
@@ -200,11 +200,11 @@ def test_a_chaos_run_knows_the_fleet_names_before_it_starts() -> None:
 @pytest.mark.parametrize("qps", [50, 300, 800])
 def test_a_chaos_run_lays_out_the_fleet_for_its_rate_when_asked(qps: float) -> None:
     """fleet_for_qps: the control's stack is plan_fleet's for the rate the run sends (qps
-    capped at embedded_max_qps) and its traffic; without it, the catalogue's fixed layout."""
+    capped at embedded_max_qps) and its traffic; false: the catalogue's reference layout."""
     configuration = {"qps": 5000, "embedded_max_qps": qps}
-    fixed = RunSettings.from_configuration(configuration, {}).target_settings
-    assert isinstance(fixed, EmbeddedSettings)
-    assert (fixed.gpu_workers, fixed.gpus_per_node, fixed.active_gateways) == (2, 1, 1)
+    fixed = RunSettings.from_configuration({**configuration, "fleet_for_qps": False}, {})
+    assert isinstance(fixed.target_settings, EmbeddedSettings)
+    assert _layout_of(fixed.target_settings) == (2, 1, 1)
     sized = RunSettings.from_configuration({**configuration, "fleet_for_qps": True}, {})
     layout = plan_fleet(qps, TrafficShape.of_laws(TrafficSpec()))
     assert isinstance(sized.target_settings, EmbeddedSettings)
@@ -221,17 +221,64 @@ def test_a_chaos_run_lays_out_the_fleet_for_its_rate_when_asked(qps: float) -> N
         )
 
 
+@pytest.mark.parametrize(
+    ("configuration", "fleet"),
+    [
+        ({"embedded_max_qps": 50}, False),  # the reference layout carries 50
+        ({"embedded_max_qps": 51}, True),
+        ({"embedded_max_qps": 1000}, True),
+        ({"embedded_max_qps": 1000, "gpu_workers": 4}, False),  # laid out by hand
+        ({"embedded_max_qps": 1000, "active_gateways": 2}, False),
+        ({"embedded_max_qps": 1000, "fleet_for_qps": False}, False),
+        ({"embedded_max_qps": 40, "fleet_for_qps": True}, True),
+    ],
+)
+def test_auto_lays_out_a_fleet_past_the_reference_rate(
+    configuration: dict[str, object], fleet: bool
+) -> None:
+    """fleet_for_qps unset (auto): a fleet when the run sends more than the reference layout
+    carries (50 QPS) and the experiment does not lay the stack out itself."""
+    settings = RunSettings.from_configuration({"qps": 5000, **configuration}, {})
+    assert isinstance(settings.target_settings, EmbeddedSettings)
+    layout = plan_fleet(settings.effective_qps, TrafficShape.of_laws(TrafficSpec()))
+    sized = _layout_of(settings.target_settings) == (
+        layout.gpu_workers,
+        layout.gpus_per_node,
+        layout.active_gateways,
+    )
+    assert sized == fleet
+
+
+@pytest.mark.parametrize("qps", [100, 1000])
+def test_a_variant_without_the_backup_gateway_gets_one_gateway_in_a_fleet(qps: float) -> None:
+    """no-backup-gateway's known fault is that nothing stands in for a crashed gateway: in a
+    fleet, active-active gateways would, so it has one in all (and the rest of the fleet)."""
+    configuration = {"qps": 5000, "embedded_max_qps": qps}
+    hardened = RunSettings.from_configuration(configuration, {}).target_settings
+    bad = RunSettings.from_configuration({**configuration, "variant": "no-backup-gateway"}, {})
+    assert isinstance(hardened, EmbeddedSettings)
+    assert isinstance(bad.target_settings, EmbeddedSettings)
+    assert hardened.active_gateways >= 2 and bad.target_settings.active_gateways == 1
+    assert bad.target_settings.gpu_workers == hardened.gpu_workers
+    info = planned_info(bad.target_settings.stack_config())
+    assert info.gateways == ("gateway-primary",)
+
+
 def test_the_fleet_for_short_requests_is_sized_on_their_lengths() -> None:
     """Fixed prompt and answer lengths (`prompt_tokens: "10"`) size the fleet, not the default
-    laws they replace: 1,000 QPS of 10-token prompts and 4-token answers fit on 4 GPUs, where
-    the default traffic needs 24 (past this machine's 20: refused, naming the setting)."""
+    laws they replace: 1,500 QPS of 10-token prompts and 4-token answers fit on 4 GPUs, where
+    the default traffic needs 36 (past this machine's 32: refused, naming the setting)."""
     short = {"prompt_tokens": "10", "context_tokens": 0, "output_tokens": "uniform:2:6"}
-    base = {"qps": 1000, "embedded_max_qps": 1000, "fleet_for_qps": True}
+    base = {"qps": 1500, "embedded_max_qps": 1500, "fleet_for_qps": True}
     sized = RunSettings.from_configuration({**base, **short}, {}).target_settings
     assert isinstance(sized, EmbeddedSettings)
-    assert sized.gpu_workers == plan_fleet(1000, TrafficShape(10, 4)).gpu_workers == 4
-    with pytest.raises(InvalidInput, match=r"^fleet_for_qps: qps 1000: the fleet needs 24 GPU"):
+    assert sized.gpu_workers == plan_fleet(1500, TrafficShape(10, 4)).gpu_workers == 4
+    with pytest.raises(InvalidInput, match=r"^fleet_for_qps: qps 1500: the fleet needs 36 GPU"):
         RunSettings.from_configuration(base, {})
+
+
+def _layout_of(settings: EmbeddedSettings) -> tuple[int, int, int]:
+    return (settings.gpu_workers, settings.gpus_per_node, settings.active_gateways)
 
 
 def test_an_uneven_last_node_holds_the_rest() -> None:
@@ -258,7 +305,7 @@ def test_stack_up_qps_past_this_machine_is_one_line_and_exit_2(tmp_path: Path, c
     assert main(["stack", "up", "--qps", "5000", "--state-root", str(tmp_path)]) == 2
     captured = capsys.readouterr()
     assert len(captured.err.strip().splitlines()) == 1, captured.err
-    assert "--qps 5000" in captured.err and "at most 20" in captured.err
+    assert "--qps 5000" in captured.err and f"at most {MAX_GPU_WORKERS}" in captured.err
     assert not captured.out, "nothing is laid out for a fleet that is refused"
     assert not list(tmp_path.iterdir()), "nothing may be started or written for bad input"
     assert main(["stack", "up", "--qps", "0", "--state-root", str(tmp_path)]) == 2
@@ -301,3 +348,18 @@ def _silent(url: str) -> bool:
     """True when the worker's /healthz times out (a partition), not answers or refuses."""
     started = time.monotonic()
     return http_get_status(f"{url}/healthz", 1.0) is None and time.monotonic() - started >= 0.9
+
+
+def test_a_burst_experiment_starts_under_the_cap_on_a_fleet_for_its_peak() -> None:
+    """peak_factor 2 (burst_during_failover): half the cap, the fleet for the whole cap."""
+    settings = RunSettings.from_configuration(
+        {"qps": 5000, "embedded_max_qps": 600, "peak_factor": 2}, {}
+    )
+    assert settings.effective_qps == 300
+    assert isinstance(settings.target_settings, EmbeddedSettings)
+    peak = plan_fleet(600, TrafficShape.of_laws(TrafficSpec()))
+    assert _layout_of(settings.target_settings) == (
+        peak.gpu_workers,
+        peak.gpus_per_node,
+        peak.active_gateways,
+    )

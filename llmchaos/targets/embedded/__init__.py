@@ -8,6 +8,7 @@ Settings are configuration keys without a prefix (`variant`, `gpu_workers`, `gpu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -31,7 +32,12 @@ from llmchaos.stack.settings import GPU_PROFILE
 from llmchaos.stack.stack import start_stack
 from llmchaos.stack.topology import Topology
 from llmchaos.targets import CleanupRequest, Target, TargetInfo, TargetKind, TargetSettings
+from llmchaos.targets.embedded.calibration import Calibration, cached_calibration, calibrate
 from llmchaos.targets.embedded.target import EmbeddedTarget, planned_info
+
+REFERENCE_QPS = 50.0
+"""What the reference layout (two GPU nodes of one GPU) carries with one of them killed: one
+simulated GPU rated at 60% of its saturation on the default traffic (llmchaos.stack.fleet)."""
 
 __all__ = ["KIND", "EmbeddedKind", "EmbeddedSettings", "EmbeddedTarget"]
 
@@ -52,14 +58,15 @@ class EmbeddedSettings(TargetSettings):
     active_gateways: int = 1
     """Gateways HAProxy spreads requests over (gateway-primary, gateway-primary-2, ...),
     besides the backup. 1: a gateway crash is the seed's failover to the backup."""
-    fleet_for_qps: bool = False
+    fleet_for_qps: bool | None = None
     """Lay the stack out for the rate the run starts with (`qps` capped at
     `embedded_max_qps`; not a later `set_qps`, burst or stepped peak) and its traffic, as
     `llmchaos stack up --qps` does (llmchaos.stack.fleet: GPU nodes of 2 with batches of
     `gpu_max_num_seqs`, N+1; gateways N+1 plus the backup; a CPU pool). It replaces
     `gpu_workers`, `gpus_per_node`, `cpu_workers` and `active_gateways`; not with
-    `autoscale`. Off by default: the catalogue's known-bad variants are built on its fixed
-    layout (one active gateway, two GPU nodes of one), which a sized fleet makes redundant."""
+    `autoscale`. None (auto): a fleet when the rate is past `REFERENCE_QPS` (what the
+    reference layout, two GPU nodes of one, carries with one lost) and those fields and
+    `autoscale` are at their defaults; false: the reference layout at any rate."""
     gpu_load_s: float = 10.0
     """Model-load time of a GPU worker after a restart: the not-ready gap a GPU kill opens. A
     7B model on Kubernetes takes ~45 s (seed); 10 s keeps runs short and still longer than
@@ -74,12 +81,14 @@ class EmbeddedSettings(TargetSettings):
     """SQLite connections per gateway: what a cache stampede queues on."""
     tenants: int = 8
     """Tenants seeded in the token table."""
-    embedded_max_qps: float = 50.0
-    """Highest rate a run sends to the embedded stack, whatever its `qps` says. The software
-    path carries ~1500 QPS of tiny requests here (bench/stack_capacity.py), but the two
-    simulated GPUs are the limit for LLM-shaped ones: one must carry all of it once the
-    other is killed (a cluster is sized to survive one failure), and at 50 QPS of the default
-    traffic its P99 stays near 2 s, under the 3 s SLO."""
+    embedded_max_qps: float | None = None
+    """Highest rate a run sends to the embedded stack, whatever its `qps` says: load, stack
+    and faults share this machine's cores. None: the rate this machine sustains during a GPU
+    kill, measured by the first chaos run (or `llmchaos calibrate`) and cached in
+    `calibration_file` (llmchaos.targets.embedded.calibration); `REFERENCE_QPS` until then
+    (`llmchaos validate` does not measure)."""
+    calibration_file: str = "~/.cache/llmchaos/calibration.json"
+    """Where this machine's calibrated rate is cached (measured again on another machine)."""
     degradation_queue_threshold: int = 500
     """The gateways degrade at once when the engines' queue passes this (the seed's 500)."""
     degradation_latency_for_s: float = 120.0
@@ -130,12 +139,15 @@ class EmbeddedSettings(TargetSettings):
         "autoscale_sync_s": Range(0, 3600, low_open=True),
         "autoscale_scale_down_window_s": Range(0, 86_400),
         "autoscale_policy_period_s": Range(0, 3600, low_open=True),
-        # the embedded stack runs on one machine: four times what the load sends from 2 cores
-        "embedded_max_qps": Range(0, 20_000, low_open=True),
     }
+    MAX_QPS_RANGE: ClassVar[Range] = Range(0, 20_000, low_open=True)
+    """embedded_max_qps: the embedded stack runs on one machine, four times what the load
+    sends from 2 cores."""
 
     def __post_init__(self) -> None:
         check_ranges(self, self.RANGES)
+        if self.embedded_max_qps is not None:
+            self.MAX_QPS_RANGE.check("embedded_max_qps", self.embedded_max_qps)
         self.stack_config()  # the stack's own checks (worker counts, ...)
 
     def stack_config(self) -> StackConfig:
@@ -158,13 +170,51 @@ class EmbeddedKind(TargetKind):
         return tuple(VARIANTS)
 
     def max_qps(self, settings: TargetSettings) -> float | None:
-        return _embedded(settings).embedded_max_qps
+        embedded = _embedded(settings)
+        if embedded.embedded_max_qps is not None:
+            return embedded.embedded_max_qps
+        calibration = _cached(embedded)
+        return REFERENCE_QPS if calibration is None else calibration.qps
+
+    def prepare(self, settings: TargetSettings, progress: Callable[[str], None]) -> bool:
+        embedded = _embedded(settings)
+        if embedded.embedded_max_qps is not None:
+            return False
+        if _cached(embedded) is not None:
+            return False
+        calibrate(_calibration_path(embedded), Path(embedded.stacks_root), progress)
+        return True
+
+    def calibration(
+        self,
+        settings: TargetSettings,
+        *,
+        measure: Literal["if-missing", "again", "never"],
+        progress: Callable[[str], None],
+    ) -> str | None:
+        embedded = _embedded(settings)
+        calibration = None if measure == "again" else _cached(embedded)
+        if calibration is None and measure != "never":
+            calibration = calibrate(
+                _calibration_path(embedded), Path(embedded.stacks_root), progress
+            )
+        if calibration is None:
+            return None
+        return f"{calibration.describe()}\ncached in {embedded.calibration_file}"
 
     def sized_for(
         self, settings: TargetSettings, qps: float, traffic: TrafficSpec
     ) -> TargetSettings:
         embedded = _embedded(settings)
-        if not embedded.fleet_for_qps:
+        if embedded.fleet_for_qps is None:
+            defaults = EmbeddedSettings()
+            laid_out = any(
+                getattr(embedded, name) != getattr(defaults, name)
+                for name in ("gpu_workers", "gpus_per_node", "cpu_workers", "active_gateways")
+            )
+            if qps <= REFERENCE_QPS or laid_out or embedded.autoscale:
+                return settings
+        elif not embedded.fleet_for_qps:
             return settings
         if embedded.autoscale:
             raise InvalidInput(
@@ -180,12 +230,23 @@ class EmbeddedKind(TargetKind):
                 f"fleet_for_qps: {exc}; qps as capped at embedded_max_qps, or set "
                 "fleet_for_qps false"
             ) from None
-        return dataclasses.replace(embedded, **layout.sizes())
+        return dataclasses.replace(embedded, **layout.sizes(embedded.variant))
 
     def max_qps_source(self, settings: TargetSettings) -> str:
+        embedded = _embedded(settings)
+        if embedded.embedded_max_qps is not None:
+            return (
+                "embedded_max_qps: load, stack and faults share this machine's cores; set "
+                "LLMCHAOS_EMBEDDED_MAX_QPS to change it"
+            )
+        if _cached(embedded) is None:
+            return (
+                f"this machine is not calibrated yet ({embedded.calibration_file}): the "
+                "reference layout's rate until a run or `llmchaos calibrate` measures it"
+            )
         return (
-            "embedded_max_qps: load, stack and faults share this machine's cores; set "
-            "LLMCHAOS_EMBEDDED_MAX_QPS to change it"
+            f"this machine's calibrated rate, cached in {embedded.calibration_file} "
+            "(`llmchaos calibrate`); set LLMCHAOS_EMBEDDED_MAX_QPS to change it"
         )
 
     def plan(self, settings: TargetSettings) -> TargetInfo:
@@ -233,6 +294,14 @@ def _traffic_shape(traffic: TrafficSpec) -> TrafficShape:
     if traffic.output_tokens is not None:
         output = parse_length(traffic.output_tokens, "output_tokens").mean
     return TrafficShape(prompt, output)
+
+
+def _calibration_path(embedded: EmbeddedSettings) -> Path:
+    return Path(embedded.calibration_file).expanduser()
+
+
+def _cached(embedded: EmbeddedSettings) -> Calibration | None:
+    return cached_calibration(_calibration_path(embedded))
 
 
 def _embedded(settings: TargetSettings) -> EmbeddedSettings:
