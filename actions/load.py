@@ -23,19 +23,12 @@ def inject_burst(duration_s: float = 10.0, factor: float = 1.0) -> float:
 
 
 def long_prompt_surge(
-    qps: float = 4.0,
-    duration_s: float = 15.0,
-    prompt_tokens: float = 6000,
-    max_tokens: float = 200,
-    per_gpu: bool = False,
+    qps: float = 4.0, duration_s: float = 15.0, prompt_tokens: float = 6000, max_tokens: float = 200
 ) -> dict[str, Any]:
-    """A surge of long prompts from one tenant beside the load: `qps` requests a second
-    (`per_gpu`: for each GPU worker the target has) of `prompt_tokens` prompt tokens and
-    `max_tokens` output, for `duration_s`. It fills the engines' KV cache (preemptions,
-    queue growth); the load's SLO is judged as usual."""
-    return faults.long_prompt_surge(
-        current_run(), qps, duration_s, prompt_tokens, max_tokens, per_gpu
-    )
+    """A surge of long prompts from one tenant beside the load: `qps` requests a second of
+    `prompt_tokens` prompt tokens and `max_tokens` output, for `duration_s`. It fills the
+    engines' KV cache (preemptions, queue growth); the load's SLO is judged as usual."""
+    return faults.long_prompt_surge(current_run(), qps, duration_s, prompt_tokens, max_tokens)
 
 
 def step_load(

@@ -414,18 +414,13 @@ def long_prompt_surge(
     duration_s: float = 15.0,
     prompt_tokens: float = 6000,
     max_tokens: float = 200,
-    per_gpu: bool = False,
 ) -> dict[str, Any]:
     """A surge of long prompts from one tenant beside the load (`qps` requests a second of
-    `prompt_tokens` prompt tokens and `max_tokens` output for `duration_s`; `per_gpu`: `qps`
-    for each GPU worker the target has, so the pressure on each engine is the same at any
-    fleet size), which fills the engines' KV cache: preemptions and queue growth. The load's
-    SLO is judged as usual; the surge's own answers are not part of it. Stops by itself, or
-    at the run's end."""
+    `prompt_tokens` prompt tokens and `max_tokens` output for `duration_s`), which fills
+    the engines' KV cache: preemptions and queue growth. The load's SLO is judged as usual;
+    the surge's own answers are not part of it. Stops by itself, or at the run's end."""
     ranges = argument_ranges(run.settings)
     qps = ranges["qps"].check("qps", qps)
-    if per_gpu:
-        qps *= max(1, run.target.info().gpu_count)
     duration_s = ranges["duration_s"].check("duration_s", duration_s)
     prompt = int(ranges["prompt_tokens"].check("prompt_tokens", prompt_tokens))
     output = int(ranges["max_tokens"].check("max_tokens", max_tokens))
