@@ -398,7 +398,8 @@ class ChaosRun:
             self.notes.append(f"long-prompt surge answers: {counts}")
 
     def max_qps(self) -> float | None:
-        """The most the target takes (the embedded stack's embedded_max_qps), None: no cap."""
+        """The most the target takes (the embedded stack: this machine's calibrated rate, or
+        embedded_max_qps), None: no cap."""
         assert self.settings.target_settings is not None
         return target_kind(self.settings.target).max_qps(self.settings.target_settings)
 

@@ -43,8 +43,9 @@ bench/gpu_capacity.py):
 - The default traffic (a 512-token context plus Zipf prompts, mean ~560 prompt tokens; median
   8 output tokens, mean ~10) is prefill-heavy, like that post's "prefill-heavy" dataset (462
   input, 16 output tokens). One simulated GPU saturates at 78 QPS on it (the running engine:
-  78.9 completed at 94 offered) and is rated at 46.8 QPS (60%): the embedded control's 50 QPS
-  (`embedded_max_qps`) is what one of its two GPUs carries when the other is killed.
+  78.9 completed at 94 offered) and is rated at 46.8 QPS (60%): 50 QPS, the reference
+  layout's rate (two GPU nodes of one), is what one of its GPUs carries when the other is
+  killed.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ hardened stack passes a GPU kill at 100 QPS, no-failover does not: a trial can f
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -84,7 +85,7 @@ def test_an_interrupted_calibration_writes_nothing(
     assert not (tmp_path / "cache" / "c.json").exists()
 
 
-def test_a_cache_is_this_machines_only(tmp_path: Path) -> None:
+def test_a_cache_is_this_machines_only(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "c.json"
     assert cached_calibration(path) is None
     mine = Calibration(800.0, machine_fingerprint(), 0.0, ())
@@ -96,7 +97,9 @@ def test_a_cache_is_this_machines_only(tmp_path: Path) -> None:
         assert cached_calibration(path) is None, other
     for broken in ("", "{", "[]", '{"qps": 1}'):
         path.write_text(broken)
-        assert cached_calibration(path) is None, broken
+        with caplog.at_level(logging.WARNING):
+            assert cached_calibration(path) is None, broken
+        assert f"{path} cannot be read" in caplog.text
 
 
 @pytest.fixture

@@ -60,7 +60,8 @@ class EmbeddedSettings(TargetSettings):
     besides the backup. 1: a gateway crash is the seed's failover to the backup."""
     fleet_for_qps: bool | None = None
     """Lay the stack out for the rate the run starts with (`qps` capped at
-    `embedded_max_qps`; not a later `set_qps`, burst or stepped peak) and its traffic, as
+    `embedded_max_qps`) times its `peak_factor` (not a later `set_qps` or stepped peak the
+    factor does not cover) and its traffic, as
     `llmchaos stack up --qps` does (llmchaos.stack.fleet: GPU nodes of 2 with batches of
     `gpu_max_num_seqs`, N+1; gateways N+1 plus the backup; a CPU pool). It replaces
     `gpu_workers`, `gpus_per_node`, `cpu_workers` and `active_gateways`; not with

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import platform
@@ -55,6 +56,8 @@ __all__ = [
     "calibrate",
     "machine_fingerprint",
 ]
+
+log = logging.getLogger("chaostoolkit")
 
 CALIBRATION_VERSION = 1
 """Bumped when the stack's cost per request or the trial changes: older caches are measured
@@ -155,11 +158,11 @@ def cached_calibration(path: Path) -> Calibration | None:
     """The calibration in `path` when it was measured on this machine with this version;
     None when there is none, it is from elsewhere, or it cannot be read (measured again)."""
     try:
-        data = json.loads(path.read_text())
-        calibration = Calibration.from_dict(data)
+        calibration = Calibration.from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("llmchaos: %s cannot be read (%s): this machine is calibrated again", path, exc)
         return None
     return calibration if calibration.machine == machine_fingerprint() else None
 
