@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, ExperimentRunner
-from suites.catalogue import Case, calibrate_target, cases, check_case
+from suites.catalogue import Case, cases, check_case
 
 pytestmark = pytest.mark.resilience
 
@@ -23,11 +23,6 @@ EXPERIMENTS_DIR = Path(os.environ.get("LLMCHAOS_EXPERIMENTS_DIR", REPO / "experi
 """The catalogue; another folder can be given (the framework's own tests do)."""
 
 CASES = cases(EXPERIMENTS_DIR)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _calibrated() -> None:
-    calibrate_target()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
