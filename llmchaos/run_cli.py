@@ -128,9 +128,12 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    kind = target_kind(os.environ.get("LLMCHAOS_TARGET", "embedded"))
+    settings = RunSettings.from_configuration({}, os.environ)  # never measures
+    assert settings.target_settings is not None
     measure = "never" if args.show else "again" if args.force else "if-missing"
-    described = kind.calibration(kind.settings({}, os.environ), measure=measure, progress=print)
+    described = target_kind(settings.target).calibration(
+        settings.target_settings, measure=measure, progress=print
+    )
     if described is None:
         print("no calibration of this machine cached", file=sys.stderr)
         return 1

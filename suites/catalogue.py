@@ -73,9 +73,9 @@ def _target_variants() -> tuple[str, ...]:
 
 
 def calibrate_target() -> None:
-    """Measure this machine's rate for the target before the first case (suites/conftest.py),
-    when it is not cached and no cap is given (the embedded stack; nothing for a cluster),
-    so no case's time includes it."""
+    """Measure this machine's rate for the target before the first case (the root conftest's
+    pytest_collection_finish), when it is not cached and no cap is given (the embedded
+    stack; nothing for a cluster), so no case's time includes it."""
     settings = RunSettings.from_configuration({}, os.environ)
     assert settings.target_settings is not None
     target_kind(settings.target).prepare(settings.target_settings, progress=print)

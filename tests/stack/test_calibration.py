@@ -19,7 +19,6 @@ from llmchaos.targets.embedded import REFERENCE_QPS, EmbeddedSettings
 from llmchaos.targets.embedded import calibration as calibration_module
 from llmchaos.targets.embedded.calibration import (
     FIRST_QPS,
-    FLOOR_QPS,
     Calibration,
     Trial,
     cached_calibration,
@@ -54,7 +53,7 @@ def _fake_trials(
         (1300.0, [1000.0, 1200.0, 1400.0], 1200.0),  # up while they pass
         (1000.0, [1000.0, 1200.0], 1000.0),
         (700.0, [1000.0, 800.0, 600.0], 600.0),  # down until one does
-        (10.0, [1000.0, 800.0, 600.0, 400.0, 200.0, 100.0], FLOOR_QPS),  # none: the floor
+        (10.0, [1000.0, 800.0, 600.0, 400.0, 200.0, 100.0], REFERENCE_QPS),  # none: the floor
         (1e9, [1000.0, 1200.0, 1400.0], 1400.0),  # the largest fleet this machine runs
     ],
 )

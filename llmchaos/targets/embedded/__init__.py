@@ -32,14 +32,15 @@ from llmchaos.stack.settings import GPU_PROFILE
 from llmchaos.stack.stack import start_stack
 from llmchaos.stack.topology import Topology
 from llmchaos.targets import CleanupRequest, Target, TargetInfo, TargetKind, TargetSettings
-from llmchaos.targets.embedded.calibration import Calibration, cached_calibration, calibrate
+from llmchaos.targets.embedded.calibration import (
+    REFERENCE_QPS,
+    Calibration,
+    cached_calibration,
+    calibrate,
+)
 from llmchaos.targets.embedded.target import EmbeddedTarget, planned_info
 
-REFERENCE_QPS = 50.0
-"""What the reference layout (two GPU nodes of one GPU) carries with one of them killed: one
-simulated GPU rated at 60% of its saturation on the default traffic (llmchaos.stack.fleet)."""
-
-__all__ = ["KIND", "EmbeddedKind", "EmbeddedSettings", "EmbeddedTarget"]
+__all__ = ["KIND", "REFERENCE_QPS", "EmbeddedKind", "EmbeddedSettings", "EmbeddedTarget"]
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class EmbeddedKind(TargetKind):
             return False
         if _cached(embedded) is not None:
             return False
-        calibrate(_calibration_path(embedded), Path(embedded.stacks_root), progress)
+        _measure(embedded, progress)
         return True
 
     def calibration(
@@ -196,9 +197,7 @@ class EmbeddedKind(TargetKind):
         embedded = _embedded(settings)
         calibration = None if measure == "again" else _cached(embedded)
         if calibration is None and measure != "never":
-            calibration = calibrate(
-                _calibration_path(embedded), Path(embedded.stacks_root), progress
-            )
+            calibration = _measure(embedded, progress)
         if calibration is None:
             return None
         return f"{calibration.describe()}\ncached in {embedded.calibration_file}"
@@ -303,6 +302,10 @@ def _calibration_path(embedded: EmbeddedSettings) -> Path:
 
 def _cached(embedded: EmbeddedSettings) -> Calibration | None:
     return cached_calibration(_calibration_path(embedded))
+
+
+def _measure(embedded: EmbeddedSettings, progress: Callable[[str], None]) -> Calibration:
+    return calibrate(_calibration_path(embedded), Path(embedded.stacks_root), progress)
 
 
 def _embedded(settings: TargetSettings) -> EmbeddedSettings:

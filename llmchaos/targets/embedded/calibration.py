@@ -23,13 +23,13 @@ from another machine or version is measured again, one from this machine is used
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
 import platform
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +39,7 @@ from typing import Any
 import psutil
 
 from llmchaos.errors import StackError
+from llmchaos.files import write_json_atomic
 from llmchaos.load import LoadConfig, LoadRun
 from llmchaos.load.config import QPS_PER_PROCESS
 from llmchaos.load.traffic import TrafficSpec
@@ -50,6 +51,7 @@ from llmchaos.stack.topology import Topology, read_agent_state
 
 __all__ = [
     "CALIBRATION_VERSION",
+    "REFERENCE_QPS",
     "Calibration",
     "Trial",
     "cached_calibration",
@@ -67,9 +69,11 @@ LADDER_QPS = (100.0, 200.0, 400.0, 600.0, 800.0, 1000.0, 1200.0, 1400.0, 1600.0,
 FIRST_QPS = 1000.0
 """The first rate tried (the catalogue's goal on 2 cores): up the ladder from it while trials
 pass, down from it until one does."""
-FLOOR_QPS = 50.0
-"""The rate when no trial passes: what the reference layout (two GPUs) carries with one of
-them killed."""
+REFERENCE_QPS = 50.0
+"""What the reference layout (two GPU nodes of one GPU) carries with one of them killed: one
+simulated GPU rated at 60% of its saturation on the default traffic (llmchaos.stack.fleet).
+The rate when no trial passes, and the embedded target's cap until this machine is
+calibrated."""
 P99_LIMIT_MS = 1500.0
 ERROR_LIMIT = 0.01
 ACHIEVED_SHARE = 0.97
@@ -108,7 +112,7 @@ class Calibration:
     """What `calibrate` measured, and on which machine."""
 
     qps: float
-    """The highest rate that passed its trial (FLOOR_QPS when none did)."""
+    """The highest rate that passed its trial (REFERENCE_QPS when none did)."""
     machine: dict[str, Any]
     measured_at: float
     trials: tuple[Trial, ...]
@@ -138,6 +142,12 @@ class Calibration:
 def machine_fingerprint() -> dict[str, Any]:
     """What a calibration depends on: the cores this process may use, their model, the
     memory, and the calibration's version."""
+    return dict(_fingerprint())
+
+
+@functools.cache
+def _fingerprint() -> dict[str, Any]:
+    # read once per process: the cache is looked up each time a run's rate is asked for
     model = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -173,7 +183,7 @@ def calibrate(
     """Run the trials down the ladder until one passes, write the result to `path` (whole or
     not at all) and return it. Each trial's stack is stopped before the next starts, and on
     any exit; their state folders go under `state_root`."""
-    top = most_qps_here(plan_fleet(FLOOR_QPS, DEFAULT_TRAFFIC))
+    top = most_qps_here(plan_fleet(REFERENCE_QPS, DEFAULT_TRAFFIC))
     ladder = [qps for qps in LADDER_QPS if qps <= top]
     progress(
         f"calibrating the embedded stack's rate on this machine (a GPU kill at each of 2-4 "
@@ -189,7 +199,7 @@ def calibrate(
 
     # up from the first rate while trials pass, else down until one does
     index = min(range(len(ladder)), key=lambda i: abs(ladder[i] - FIRST_QPS), default=None)
-    qps = FLOOR_QPS
+    qps = REFERENCE_QPS
     if index is not None and passes(index):
         qps = ladder[index]
         while index + 1 < len(ladder) and passes(index + 1):
@@ -201,7 +211,8 @@ def calibrate(
         if index > 0:
             qps = ladder[index - 1]
     calibration = Calibration(qps, machine_fingerprint(), time.time(), tuple(trials))
-    _write_atomically(path, json.dumps(calibration.to_dict(), indent=2) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, calibration.to_dict())
     progress(f"calibrated rate: {qps:g} QPS")
     return calibration
 
@@ -266,15 +277,3 @@ def _kill_first_gpu(topology: Topology) -> None:
             os.kill(worker.pid, signal.SIGKILL)
             return
     raise StackError(f"calibration: no gpu-0 in the stack {topology.state_dir}")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
