@@ -56,7 +56,7 @@ registry down 5 s instead of 15 (the gateways read it every 0.25 s); the autosca
 watched 20 s (the limit is 15) and held 10 s once scaled out (one SLO window judged), the
 scale-down window 8 s; the degradation watch 15 s (the queue passes 500 within 8 s) and 6 s
 of the overload in degraded mode; the stepped load's steps 10 s instead of 20 (7 s of each
-judged, at 20-120 QPS a few hundred requests)."""
+judged, at 200-1,200 QPS thousands of requests)."""
 
 hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 hypothesis_settings.register_profile("dev", deadline=None)

@@ -270,6 +270,7 @@ class ChaosRun:
             tokens_file=backend.tokens_file,
             traffic=s.traffic,
             timeout_s=s.request_timeout_s,
+            inflight_cap=s.load_inflight_cap,
             goodput_ttft_ms=s.ttft_slo_ms,
             goodput_tpot_ms=s.tpot_slo_ms,
             goodput_e2e_ms=s.p99_slo_ms,

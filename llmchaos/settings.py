@@ -33,6 +33,7 @@ from llmchaos.configuration import (
     settings_keys,
 )
 from llmchaos.errors import InvalidInput
+from llmchaos.load.config import INFLIGHT_CAP as LOAD_INFLIGHT_CAP
 from llmchaos.load.config import QPS_PER_PROCESS as QPS_PER_LOAD_PROCESS
 from llmchaos.load.timeline import FAILURE_CLASSES
 from llmchaos.load.traffic import TrafficSpec
@@ -229,6 +230,19 @@ class RunSettings:
     def load_processes(self) -> int:
         """Locust processes the load needs at `effective_qps` (at least `load_workers`)."""
         return max(self.load_workers, math.ceil(self.effective_qps / QPS_PER_LOAD_PROCESS))
+
+    @property
+    def load_inflight_cap(self) -> int:
+        """Most requests in flight per load process: enough that an open-loop load holds no
+        send back before the request timeout would end it, at the highest rate the run can
+        reach (the target's cap, which `set_qps` stops at; with no cap, the rate times
+        `peak_factor`). A fixed 2,000 dropped sends at 1,200 QPS once the mean latency passed
+        1.7 s: the overload experiments' queues stopped at the client, not the engines."""
+        assert self.target_settings is not None
+        cap = target_kind(self.target).max_qps(self.target_settings)
+        peak_qps = cap if cap is not None else self.effective_qps * self.peak_factor
+        per_process = peak_qps / self.load_processes * self.request_timeout_s
+        return max(LOAD_INFLIGHT_CAP, math.ceil(per_process))
 
     @property
     def recovery_deadline_s(self) -> float:

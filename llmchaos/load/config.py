@@ -19,9 +19,18 @@ from llmchaos.errors import InvalidInput
 from llmchaos.load.goodput import GoodputSlo
 from llmchaos.load.traffic import TrafficSpec
 
-__all__ = ["PROFILE_NAMES", "QPS_PER_PROCESS", "LoadConfig", "default_run_dir", "validate"]
+__all__ = [
+    "INFLIGHT_CAP",
+    "PROFILE_NAMES",
+    "QPS_PER_PROCESS",
+    "LoadConfig",
+    "default_run_dir",
+    "validate",
+]
 
 PROFILE_NAMES = ("constant", "poisson", "bursty", "stepped")
+INFLIGHT_CAP = 2000
+"""Default of LoadConfig.inflight_cap: 5000 QPS over 2 processes at ~0.8 s latency."""
 QPS_PER_PROCESS = 2500.0
 """What one Locust process sends open loop here (llmchaos/load/README.md): a run needs one
 per this many QPS."""
@@ -94,9 +103,9 @@ class LoadConfig:
     goodput is not measured (None in windows and the summary)."""
     timeout_s: float = 8.0
     """Whole-request deadline from the actual send (field: 8 s); beyond it: class `timeout`."""
-    inflight_cap: int = 2000
+    inflight_cap: int = INFLIGHT_CAP
     """Most requests in flight per worker; a send over it is counted as dropped, not queued
-    [--inflight-cap]. 2000 covers 5000 QPS over 2 workers at ~0.8 s latency."""
+    [--inflight-cap]. A chaos run sizes it to its peak rate (RunSettings.load_inflight_cap)."""
     send_tick_ms: float = 1.0
     """Shortest sleep of the send loop: sends due within one tick go out together, at most
     this late (counted as schedule lag). Batching them lets one wake-up serve several, which

@@ -15,6 +15,7 @@ class runs unchanged on Locust workers in Kubernetes.
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +80,28 @@ class WorkerState:
 WORKER = WorkerState()
 
 
+_SPARE_FILES = 1024
+"""Descriptors beyond one connection per request in flight (the hub, logs, the master)."""
+
+
+def _allow_open_files(wanted: int) -> None:
+    # Locust raises the soft limit to 10,000 only: a chaos run's cap at its peak rate can
+    # pass that (1,200 QPS x 8 s), and a connect over the limit would fail as `connection`
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    limit = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if limit > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    if limit < wanted:
+        logger.warning(
+            "llmchaos load: %d requests in flight need %d open files; the hard limit is %d",
+            wanted - _SPARE_FILES,
+            wanted,
+            hard,
+        )
+
+
 class OpenLoopLLMUser(User):
     """Runs this worker's share of the schedule; spawn one per worker (-u = worker count)."""
 
@@ -94,6 +117,7 @@ class OpenLoopLLMUser(User):
             raise StopUser()
         WORKER.claimed = True
         config = config_from_options(self.environment.parsed_options)
+        _allow_open_files(config.inflight_cap + _SPARE_FILES)
         start = WORKER.start.get(timeout=START_MESSAGE_WAIT_S)
         index = start["share"]
         if index is None:  # joined after time zero, or one worker more than expected

@@ -11,6 +11,7 @@ import pytest
 
 from llmchaos.errors import InvalidInput, StackError
 from llmchaos.ledger import FaultLedger, Undo
+from llmchaos.load.config import INFLIGHT_CAP
 from llmchaos.load.traffic import TrafficSpec
 from llmchaos.settings import SETTING_RANGES, RunSettings
 from llmchaos.targets.embedded import REFERENCE_QPS, EmbeddedSettings
@@ -40,6 +41,29 @@ def test_embedded_qps_is_capped_and_cluster_qps_is_not() -> None:
         {"target": "k8s", "qps": 5000, "k8s_allowed_namespaces": "llm", "k8s_namespace": "llm"}, {}
     )
     assert k8s.effective_qps == 5000
+
+
+def test_the_load_holds_no_send_back_before_the_request_timeout_at_the_runs_peak() -> None:
+    # the embedded cap is the peak (set_qps stops there): 1,200 QPS x 8 s on one process
+    fleet = RunSettings.from_configuration({"qps": 200, "embedded_max_qps": 1200}, {})
+    assert fleet.load_processes == 1
+    assert fleet.load_inflight_cap == 9600
+    # no cap: the rate times peak_factor, shared by the processes (3 at 6,000 QPS)
+    k8s = RunSettings.from_configuration(
+        {
+            "target": "k8s",
+            "qps": 6000,
+            "peak_factor": 2,
+            "request_timeout_s": 5,
+            "k8s_allowed_namespaces": "llm",
+            "k8s_namespace": "llm",
+        },
+        {},
+    )
+    assert k8s.load_processes == 3
+    assert k8s.load_inflight_cap == 20000
+    # small rates keep the load's own default
+    assert RunSettings(qps=40).load_inflight_cap == INFLIGHT_CAP
 
 
 @pytest.mark.parametrize(
