@@ -54,7 +54,7 @@ CI_RUN_ENV = {
 """Shorter phases when CI is set: 5 s of warm-up instead of 8 (windows still fill); the
 registry down 5 s instead of 15 (the gateways read it every 0.25 s); the autoscaling pulse
 watched 20 s (the limit is 15) and held 10 s once scaled out (one SLO window judged), the
-scale-down window 8 s; the degradation watch 15 s (the queue passes 500 within 8 s) and 6 s
+scale-down window 8 s; the degradation watch 15 s (the queue passes 1,000 within a second) and 6 s
 of the overload in degraded mode; the stepped load's steps 10 s instead of 20 (7 s of each
 judged, at 200-1,200 QPS thousands of requests)."""
 

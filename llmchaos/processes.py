@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -22,6 +23,7 @@ from typing import Any, Literal
 __all__ = [
     "Owner",
     "OwnerKind",
+    "allow_open_files",
     "find_marked",
     "group_members",
     "pid_alive",
@@ -249,3 +251,21 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
         if not pid_alive(pid):
             return
         time.sleep(0.02)
+
+
+def allow_open_files(wanted: int) -> int:
+    """Raise this process's soft open-file limit to `wanted` (never past the hard limit; the
+    processes it starts inherit it) and return the soft limit in effect, `wanted` or less.
+
+    A connection per request in flight: the load at 1,200 QPS holds up to ~10,000, and
+    HAProxy sizes its maxconn from the limit it starts with (1,024 on many machines)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return wanted
+    limit = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if limit > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        except (ValueError, OSError):  # above fs.nr_open, or a platform's OPEN_MAX
+            return soft
+    return limit

@@ -401,8 +401,7 @@ class ChaosRun:
     def max_qps(self) -> float | None:
         """The most the target takes (the embedded stack: this machine's calibrated rate, or
         embedded_max_qps), None: no cap."""
-        assert self.settings.target_settings is not None
-        return target_kind(self.settings.target).max_qps(self.settings.target_settings)
+        return self.settings.target_max_qps
 
     def last_fault_ts(self) -> float | None:
         return self.ledger.last_fault_at()

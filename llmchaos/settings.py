@@ -33,8 +33,8 @@ from llmchaos.configuration import (
     settings_keys,
 )
 from llmchaos.errors import InvalidInput
-from llmchaos.load.config import INFLIGHT_CAP as LOAD_INFLIGHT_CAP
 from llmchaos.load.config import QPS_PER_PROCESS as QPS_PER_LOAD_PROCESS
+from llmchaos.load.config import inflight_cap_for
 from llmchaos.load.timeline import FAILURE_CLASSES
 from llmchaos.load.traffic import TrafficSpec
 from llmchaos.targets import KINDS, TargetSettings, target_kind
@@ -222,8 +222,7 @@ class RunSettings:
     def effective_qps(self) -> float:
         """The rate the load runs at: `qps`, capped at what the target takes (the embedded
         stack's calibrated rate on this machine) divided by `peak_factor`."""
-        assert self.target_settings is not None
-        cap = target_kind(self.target).max_qps(self.target_settings)
+        cap = self.target_max_qps
         return self.qps if cap is None else min(self.qps, cap / self.peak_factor)
 
     @property
@@ -232,17 +231,20 @@ class RunSettings:
         return max(self.load_workers, math.ceil(self.effective_qps / QPS_PER_LOAD_PROCESS))
 
     @property
-    def load_inflight_cap(self) -> int:
-        """Most requests in flight per load process: enough that an open-loop load holds no
-        send back before the request timeout would end it, at the highest rate the run can
-        reach (the target's cap, which `set_qps` stops at; with no cap, the rate times
-        `peak_factor`). A fixed 2,000 dropped sends at 1,200 QPS once the mean latency passed
-        1.7 s: the overload experiments' queues stopped at the client, not the engines."""
+    def target_max_qps(self) -> float | None:
+        """The most the target takes (the embedded stack: this machine's calibrated rate, or
+        embedded_max_qps), where `set_qps` stops; None: no cap."""
         assert self.target_settings is not None
-        cap = target_kind(self.target).max_qps(self.target_settings)
+        return target_kind(self.target).max_qps(self.target_settings)
+
+    @property
+    def load_inflight_cap(self) -> int:
+        """Most requests in flight per load process (load.config.inflight_cap_for) at the
+        highest rate the run reaches: the rate times `peak_factor`, or the target's cap when
+        it has one (`set_qps` stops there)."""
+        cap = self.target_max_qps
         peak_qps = cap if cap is not None else self.effective_qps * self.peak_factor
-        per_process = peak_qps / self.load_processes * self.request_timeout_s
-        return max(LOAD_INFLIGHT_CAP, math.ceil(per_process))
+        return inflight_cap_for(peak_qps, self.load_processes, self.request_timeout_s)
 
     @property
     def recovery_deadline_s(self) -> float:

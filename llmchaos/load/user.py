@@ -14,8 +14,8 @@ class runs unchanged on Locust workers in Kubernetes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +33,7 @@ from llmchaos.load.schedule import ArrivalSchedule
 from llmchaos.load.timeline import Recorder
 from llmchaos.load.traffic import TrafficModel, tenants_of
 from llmchaos.load.wire import START_MESSAGE_WAIT_S, config_from_options, request_head, split_url
+from llmchaos.processes import allow_open_files
 
 __all__ = ["WORKER", "OpenLoopLLMUser"]
 
@@ -84,22 +85,22 @@ _SPARE_FILES = 1024
 """Descriptors beyond one connection per request in flight (the hub, logs, the master)."""
 
 
-def _allow_open_files(wanted: int) -> None:
-    # Locust raises the soft limit to 10,000 only: a chaos run's cap at its peak rate can
-    # pass that (1,200 QPS x 8 s), and a connect over the limit would fail as `connection`
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= wanted:
-        return
-    limit = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if limit > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
-    if limit < wanted:
-        logger.warning(
-            "llmchaos load: %d requests in flight need %d open files; the hard limit is %d",
-            wanted - _SPARE_FILES,
-            wanted,
-            hard,
-        )
+def _inflight_cap_within_open_files(cap: int) -> int:
+    """`cap`, or less when the open-file limit cannot be raised that far: a send over the
+    limit would fail as `connection`, one over the cap is counted as dropped."""
+    # Locust raises the soft limit to 10,000 only, and a chaos run's cap at 1,200 QPS is past it
+    limit = allow_open_files(cap + _SPARE_FILES)
+    if limit >= cap + _SPARE_FILES:
+        return cap
+    lowered = max(1, limit - _SPARE_FILES)
+    logger.warning(
+        "llmchaos load: %d requests in flight need %d open files, %d allowed: cap %d",
+        cap,
+        cap + _SPARE_FILES,
+        limit,
+        lowered,
+    )
+    return lowered
 
 
 class OpenLoopLLMUser(User):
@@ -117,7 +118,9 @@ class OpenLoopLLMUser(User):
             raise StopUser()
         WORKER.claimed = True
         config = config_from_options(self.environment.parsed_options)
-        _allow_open_files(config.inflight_cap + _SPARE_FILES)
+        config = dataclasses.replace(
+            config, inflight_cap=_inflight_cap_within_open_files(config.inflight_cap)
+        )
         start = WORKER.start.get(timeout=START_MESSAGE_WAIT_S)
         index = start["share"]
         if index is None:  # joined after time zero, or one worker more than expected

@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from llmchaos.errors import InvalidInput, StackError
-from llmchaos.processes import Owner, pid_alive
+from llmchaos.processes import Owner, allow_open_files, pid_alive
 from llmchaos.signals import deferred, held
 from llmchaos.stack import etcd, netns
 from llmchaos.stack.agent import AgentSettings, AgentWorker
@@ -45,6 +45,7 @@ from llmchaos.stack.procs import (
 from llmchaos.stack.registrar import RegistrarSettings
 from llmchaos.stack.registry import MEMBERS, find_etcd, plan_members, start_member, wait_ready
 from llmchaos.stack.services import (
+    STACK_OPEN_FILES,
     HaproxyServer,
     haproxy_config,
     require_binary,
@@ -134,6 +135,7 @@ def start_stack(
     A KeyboardInterrupt (SIGINT, SIGTERM) tears down too, and further signals wait for that.
     """
     with_netns = _preflight(config)
+    allow_open_files(STACK_OPEN_FILES)
     owner = owner or Owner.this_process("user")
     stack_id = _new_stack_id()
     state_dir = (Path(config.state_root) / stack_id).resolve()

@@ -308,10 +308,11 @@ async def test_full_gpu_workers_spill_to_cpu_only_with_fallback(
 async def test_full_gpu_workers_spill_to_cpu_only_answers_it_can_finish_in_time(
     redis_server: RedisServer, token_db: Path, upstreams: Upstreams
 ) -> None:
-    """The stepped_capacity timeouts: at 75 QPS of 64-token answers the gpu workers filled up
-    and the next 16 requests went to cpu-0, which takes ~9.8 s for them (its batch of 16 at
-    ~140 ms a token): all 16 got first_byte_timeout at 6 s and their retry on a gpu worker
-    ended past the clients' 8 s, while their neighbours queued on the gpu workers in ~1.7 s.
+    """The stepped_capacity timeouts (on the 2-GPU layout it had then): at 75 QPS of 64-token
+    answers the gpu workers filled up and the next 16 requests went to cpu-0, which takes
+    ~9.8 s for them (its batch of 16 at ~140 ms a token): all 16 got first_byte_timeout at
+    6 s and their retry on a gpu worker ended past the clients' 8 s, while their neighbours
+    queued on the gpu workers in ~1.7 s.
     A long answer waits on a full gpu worker instead; a short one still spills."""
     gpu, cpu = await upstreams("gpu-0", max_num_seqs=2), await upstreams("cpu-0", mode="cpu")
     gpu.hold = cpu.hold = asyncio.Event()

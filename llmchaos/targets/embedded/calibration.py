@@ -41,7 +41,7 @@ import psutil
 from llmchaos.errors import StackError
 from llmchaos.files import write_json_atomic
 from llmchaos.load import LoadConfig, LoadRun
-from llmchaos.load.config import QPS_PER_PROCESS
+from llmchaos.load.config import QPS_PER_PROCESS, inflight_cap_for
 from llmchaos.load.traffic import TrafficSpec
 from llmchaos.processes import Owner
 from llmchaos.stack.config import StackConfig
@@ -61,9 +61,10 @@ __all__ = [
 
 log = logging.getLogger("chaostoolkit")
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 """Bumped when the stack's cost per request or the trial changes: older caches are measured
-again."""
+again. 2: the trial's in-flight cap follows its rate (2,000 dropped sends at 2,000 QPS once
+the mean latency passed 1 s, failing trials the stack passed)."""
 LADDER_QPS = (100.0, 200.0, 400.0, 600.0, 800.0, 1000.0, 1200.0, 1400.0, 1600.0, 2000.0)
 """Rates tried (those past the largest fleet this machine runs are left out)."""
 FIRST_QPS = 1000.0
@@ -230,15 +231,17 @@ def run_trial(qps: float, state_root: Path, variant: str = "hardened") -> Trial:
 
 
 def _measure(topology: Topology, qps: float) -> Trial:
+    workers = math.ceil(qps / QPS_PER_PROCESS)
     load_config = LoadConfig(
         url=topology.gateway_url,
         qps=qps,
         duration_s=WARMUP_S + HOLD_S,
-        workers=math.ceil(qps / QPS_PER_PROCESS),
+        workers=workers,
         tokens_file=topology.tokens_file,
         traffic=TrafficSpec(model=topology.model),
         run_dir=str(Path(topology.state_dir) / "calibration-load"),
         drain_s=3.0,
+        inflight_cap=inflight_cap_for(qps, workers, LoadConfig.timeout_s),
     )
     with LoadRun.start(load_config) as run:
         before = psutil.cpu_times()
