@@ -86,6 +86,7 @@ __all__ = [
     "gateway_layout",
     "live_status",
     "node_layout",
+    "node_name",
     "restart_gateway",
     "start_gateway",
     "start_stack",
@@ -406,20 +407,29 @@ def _start_autoscaler(
     return spawn(argv, stack_id=stack_id, owner=owner, log_path=log_path)
 
 
+def node_name(index: int) -> str:
+    """node-a .. node-z, then node-aa, node-ab, ... (32 GPUs one per node make 33 nodes)."""
+    letters = ""
+    index += 1
+    while index:
+        index, digit = divmod(index - 1, 26)
+        letters = chr(ord("a") + digit) + letters
+    return f"node-{letters}"
+
+
 def node_layout(config: StackConfig) -> list[tuple[str, list[tuple[str, str]]]]:
     """[(node, [(worker, mode), ...]), ...]: `gpus_per_node` GPU workers per node, numbered
     across nodes (node-a: gpu-0, gpu-1; node-b: gpu-2, ...), then the CPU node.
 
     Known before anything starts, so experiments can be checked against it first."""
-    letters = "abcdefghijklmnopqrstuvwxyz"
     k = config.gpus_per_node
     gpus = [f"gpu-{i}" for i in range(config.gpu_workers)]
     layout = [
-        (f"node-{letters[n]}", [(name, "gpu") for name in gpus[n * k : (n + 1) * k]])
+        (node_name(n), [(name, "gpu") for name in gpus[n * k : (n + 1) * k]])
         for n in range(math.ceil(len(gpus) / k))
     ]
     if config.cpu_workers:
-        cpu_node = f"node-{letters[len(layout)]}"
+        cpu_node = node_name(len(layout))
         layout.append((cpu_node, [(f"cpu-{i}", "cpu") for i in range(config.cpu_workers)]))
     return layout
 

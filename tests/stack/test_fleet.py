@@ -286,6 +286,16 @@ def test_an_uneven_last_node_holds_the_rest() -> None:
     assert [len(workers) for _, workers in layout] == [2, 2, 1]
 
 
+def test_nodes_past_node_z_are_named_like_spreadsheet_columns() -> None:
+    # the most GPU workers, one per node, plus the CPU node: 33 nodes (was an IndexError)
+    layout = node_layout(StackConfig(gpu_workers=MAX_GPU_WORKERS, gpus_per_node=1, cpu_workers=1))
+    names = [node for node, _ in layout]
+    assert len(set(names)) == len(names) == MAX_GPU_WORKERS + 1
+    assert names[24:] == ["node-y", "node-z", "node-aa", "node-ab", "node-ac", "node-ad",
+                          "node-ae", "node-af", "node-ag"]  # fmt: skip
+    assert layout[-1][1][0] == ("cpu-0", "cpu")
+
+
 @pytest.mark.parametrize(
     ("field", "value", "expected"),
     [
