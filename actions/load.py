@@ -23,12 +23,20 @@ def inject_burst(duration_s: float = 10.0, factor: float = 1.0) -> float:
 
 
 def long_prompt_surge(
-    qps: float = 4.0, duration_s: float = 15.0, prompt_tokens: float = 6000, max_tokens: float = 200
+    qps: float | None = None,
+    duration_s: float = 15.0,
+    prompt_tokens: float = 6000,
+    max_tokens: float = 200,
+    qps_per_gpu: float | None = None,
+    stream: bool = False,
 ) -> dict[str, Any]:
-    """A surge of long prompts from one tenant beside the load: `qps` requests a second of
-    `prompt_tokens` prompt tokens and `max_tokens` output, for `duration_s`. It fills the
+    """A surge of long prompts from one tenant beside the load: `qps` requests a second (or
+    `qps_per_gpu` per GPU worker of the target; neither: 4) of `prompt_tokens` prompt tokens
+    and `max_tokens` output, for `duration_s`, streamed or not (`stream`). It fills the
     engines' KV cache (preemptions, queue growth); the load's SLO is judged as usual."""
-    return faults.long_prompt_surge(current_run(), qps, duration_s, prompt_tokens, max_tokens)
+    return faults.long_prompt_surge(
+        current_run(), qps, duration_s, prompt_tokens, max_tokens, qps_per_gpu, stream
+    )
 
 
 def step_load(

@@ -16,7 +16,10 @@ Vocabulary (DESIGN.md):
   `stable_for_s` consecutive windows (one ending at each second) that all meet the SLO, and t1
   is the start of the first window of that run — the moment from which the requests were
   fine again. recovery time = t1 - t0, never negative; 0 when no window after the fault
-  missed the SLO before the run started.
+  missed the SLO before the run started. A fault that keeps acting by itself for a while (a
+  surge of `duration_s`) is recovered from only by a run that lasts until the fault stops
+  (its last window starts at that moment or later): its harm may build up slowly, and a
+  run that ended before it did would say recovered about a fault still under way.
 
 Windows are keyed by the second a request was *scheduled* in (open-loop load), so a request
 that waited out a stall counts where it was due, not where it finished.
@@ -236,8 +239,10 @@ def recovery(
     window_s: float = 5.0,
     stable_for_s: float = 10.0,
     now_ts: float | None = None,
+    active_until_ts: float | None = None,
 ) -> Recovery:
-    """Recovery after the fault at `fault_ts`; see the module docstring for the definition."""
+    """Recovery after the fault at `fault_ts`, acting by itself until `active_until_ts` (None:
+    its action is the whole of it); see the module docstring for the definition."""
     windows = [
         w
         for w in rolling_windows(records, slo, window_s, now_ts)
@@ -259,7 +264,9 @@ def recovery(
             continue
         if run_start is None:
             run_start = index
-        if index - run_start + 1 >= needed:
+        if index - run_start + 1 >= needed and (
+            active_until_ts is None or window.start_ts >= math.floor(active_until_ts)
+        ):
             if detected is None:
                 return Recovery(fault_ts, True, 0.0, fault_ts, None, judged_until, 0.0)
             t1 = max(float(windows[run_start].start_ts), fault_ts)

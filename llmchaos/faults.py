@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from llmchaos.configuration import convert
 from llmchaos.errors import InvalidInput
 from llmchaos.ledger import FaultDetails, Undo, Verification
 from llmchaos.run import ChaosRun
@@ -182,6 +183,7 @@ def inject_burst(run: ChaosRun, duration_s: float = 10.0, factor: float = 1.0) -
         f"load x{1 + factor:g} for {duration_s:g} s",
         None,
         verify=lambda d: _rate_verification(run, d, base, base * (1 + factor)),
+        lasts_s=duration_s,
     ) as details:
         details["since_ts"] = time.time()
         run.traffic.inject_burst(duration_s=duration_s, factor=factor)
@@ -410,28 +412,43 @@ def restore_network(run: ChaosRun, node: str) -> str:
 
 def long_prompt_surge(
     run: ChaosRun,
-    qps: float = 4.0,
+    qps: float | None = None,
     duration_s: float = 15.0,
     prompt_tokens: float = 6000,
     max_tokens: float = 200,
+    qps_per_gpu: float | None = None,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """A surge of long prompts from one tenant beside the load (`qps` requests a second of
     `prompt_tokens` prompt tokens and `max_tokens` output for `duration_s`), which fills
-    the engines' KV cache: preemptions and queue growth. The load's SLO is judged as usual;
-    the surge's own answers are not part of it. Stops by itself, or at the run's end."""
+    the engines' KV cache: preemptions and queue growth. `qps_per_gpu` instead of `qps`:
+    that many per GPU worker of the target, so the pressure per engine is the same on a
+    fleet of any size; neither: 4 a second. `stream`: streamed answers (llmchaos.surge says
+    why a long answer wants it). The load's SLO is judged as usual; the surge's
+    own answers are not part of it. Stops by itself, or at the run's end."""
+    if qps is not None and qps_per_gpu is not None:
+        raise InvalidInput(
+            f"long_prompt_surge: give qps ({qps!r}) or qps_per_gpu ({qps_per_gpu!r}), not both"
+        )
     ranges = argument_ranges(run.settings)
-    qps = ranges["qps"].check("qps", qps)
+    if qps_per_gpu is not None:
+        per_gpu = ranges["qps"].check("qps_per_gpu", qps_per_gpu)
+        qps = per_gpu * run.target.info().gpu_count
+    qps = ranges["qps"].check("qps", 4.0 if qps is None else qps)
     duration_s = ranges["duration_s"].check("duration_s", duration_s)
     prompt = int(ranges["prompt_tokens"].check("prompt_tokens", prompt_tokens))
     output = int(ranges["max_tokens"].check("max_tokens", max_tokens))
+    streamed = convert(bool, stream, "stream")
     before = run.target.engine_stats()
     with run.fault(
         "long_prompt_surge",
         f"{qps:g} long prompts/s for {duration_s:g} s",
         Undo("stop_surge", {}),
         verify=lambda d: _kv_pressure_verification(run, before, duration_s),
+        lasts_s=duration_s,
     ) as details:
-        details.update(run.start_surge(qps, duration_s, prompt, output))
+        started = run.start_surge(details.fault_id, qps, duration_s, prompt, output, streamed)
+        details.update(started)
     return dict(details)
 
 

@@ -9,6 +9,7 @@ One JSON object per line in `<run folder>/ledger.jsonl`, appended and fsynced:
     {"event": "verified", "id": 1, "at": ..., "in_effect": true,  # checked on the target
      "evidence": "DROP rules in llmc-1a2b-node-a matched 14 packets in 1.0 s"}
     {"event": "undone", "id": 1, "at": ..., "by": "rollback"}    # its undo ran
+    {"event": "acted_until", "id": 1, "at": ..., "until": ...}   # a surge's last answer came
 
 A fault is open from its `inject` line until an `undone` line, whatever happened in between:
 an action that failed half-way may still have changed something, so its undo runs too. Undo
@@ -78,6 +79,10 @@ class FaultEntry:
     at: float
     """Epoch seconds when the action started: the fault time t0."""
     undo: Undo | None
+    lasts_s: float = 0.0
+    """How long the fault keeps acting after `at` by itself (a surge or a burst of
+    `duration_s`, longer once an `acted_until` says its last answer came later); 0: its
+    action is the whole of it (a kill), or it acts until undone."""
     state: str = "inject"
     """inject (written, action not finished), injected, failed, undone."""
     details: dict[str, Any] = field(default_factory=dict)
@@ -92,6 +97,11 @@ class FaultEntry:
     def open(self) -> bool:
         """Still to be undone."""
         return self.undo is not None and self.state != "undone"
+
+    @property
+    def active_until(self) -> float:
+        """Epoch seconds when the fault stops acting by itself (`at` + `lasts_s`)."""
+        return self.at + self.lasts_s
 
 
 class FaultLedger:
@@ -133,7 +143,12 @@ class FaultLedger:
                     target=str(record.get("target")),
                     at=float(record.get("at", 0.0)),
                     undo=Undo(undo["op"], dict(undo.get("args", {}))) if undo else None,
+                    lasts_s=float(record.get("lasts_s", 0.0)),
                 )
+            elif fault_id in faults and event == "acted_until":
+                entry = faults[fault_id]
+                acted_s = float(record.get("until", entry.at)) - entry.at
+                entry.lasts_s = max(entry.lasts_s, acted_s)
             elif fault_id in faults and event == "verified":
                 faults[fault_id].in_effect = record.get("in_effect")
                 faults[fault_id].evidence = str(record.get("evidence", ""))
@@ -166,26 +181,35 @@ class FaultLedger:
         entries = self.entries()
         return max((e.at for e in entries), default=None)
 
+    def active_until(self) -> float | None:
+        """Epoch seconds when the last of the faults that act by themselves for a while stops
+        (FaultEntry.active_until), None before the first fault."""
+        entries = self.entries()
+        return max((e.active_until for e in entries), default=None)
+
     @contextmanager
-    def inject(self, fault: str, target: str, undo: Undo | None) -> Iterator[FaultDetails]:
+    def inject(
+        self, fault: str, target: str, undo: Undo | None, lasts_s: float = 0.0
+    ) -> Iterator[FaultDetails]:
         """Record a fault, then let the caller inject it.
 
         The `inject` line is on disk before the body runs. The body may fill the yielded
         dict with details (pids, keys); they are recorded with the outcome. An exception in
-        the body is recorded as `failed` and raised again.
+        the body is recorded as `failed` and raised again. `lasts_s`: see FaultEntry.
         """
         with self._lock:
             fault_id = max((e.id for e in self.entries()), default=0) + 1
-            self._append(
-                {
-                    "event": "inject",
-                    "id": fault_id,
-                    "at": time.time(),
-                    "fault": fault,
-                    "target": target,
-                    "undo": {"op": undo.op, "args": undo.args} if undo else None,
-                }
-            )
+            record = {
+                "event": "inject",
+                "id": fault_id,
+                "at": time.time(),
+                "fault": fault,
+                "target": target,
+                "undo": {"op": undo.op, "args": undo.args} if undo else None,
+            }
+            if lasts_s > 0:
+                record["lasts_s"] = lasts_s
+            self._append(record)
         details = FaultDetails()
         details.fault_id = fault_id
         try:
@@ -214,6 +238,11 @@ class FaultLedger:
                 "evidence": verification.evidence,
             }
         )
+
+    def record_acted_until(self, fault_id: int, until_ts: float) -> None:
+        """Keep when a fault that acts for a while really stopped (a surge's last answer),
+        when that is later than its `lasts_s` said."""
+        self._append({"event": "acted_until", "id": fault_id, "at": time.time(), "until": until_ts})
 
     def mark_undone(self, fault_id: int, by: str) -> None:
         self._append({"event": "undone", "id": fault_id, "at": time.time(), "by": by})

@@ -255,7 +255,9 @@ def recovery_time_s(run: ChaosRun, timeout_s: float = 0.0) -> float:
     Waits for it, up to `timeout_s` after the fault. With no fault yet, checks nothing and
     returns 0. Raises NotRecovered at the deadline; with neither `timeout_s` nor the run's
     `recovery_timeout_s` set, also as soon as the records rule out a recovery within the SLA
-    (a known-bad target's verdict then takes seconds after the SLA, not the whole deadline).
+    (a known-bad target's verdict then takes seconds after the SLA, not the whole deadline),
+    and the deadline is then no sooner than a fault that acts for a while (a surge, until
+    its last answer) could be judged over (llmchaos.analysis: the stable run outlasts it).
     """
     timeout_s = as_number("timeout_s", timeout_s)
     fault_ts = run.last_fault_ts()
@@ -270,6 +272,12 @@ def recovery_time_s(run: ChaosRun, timeout_s: float = 0.0) -> float:
     last_report = 0.0
     while True:
         now = time.time()
+        # read again each time: a surge acts until its last answer is in
+        active_until_ts = run.faults_active_until()
+        if until_sla_missed and active_until_ts is not None:
+            # a stable run must outlast a fault that acts for a while: wait for its last window
+            settled_ts = active_until_ts + s.window_s + s.request_timeout_s + 5
+            deadline_ts = max(deadline_ts, settled_ts)
         result = recovery(
             _records_since(run, since_ts),
             fault_ts,
@@ -277,6 +285,7 @@ def recovery_time_s(run: ChaosRun, timeout_s: float = 0.0) -> float:
             window_s=s.window_s,
             stable_for_s=s.stable_for_s,
             now_ts=now,
+            active_until_ts=active_until_ts,
         )
         if result.recovered and result.recovery_time_s is not None:
             log.info("llmchaos: recovered %.1f s after the fault", result.recovery_time_s)

@@ -138,6 +138,7 @@ class ChaosRun:
     started_at: float = field(default_factory=time.time)
     surge: LongPromptSurge | None = None
     """The long-prompt surge sent beside the load, if one was started."""
+    _surge_fault_id: int = 0
 
     load_factory: ClassVar[Callable[[LoadConfig], LoadRun]] = LoadRun.start
     """How the load starts: a Locust process of its own (the run layer's tests give it a
@@ -337,12 +338,13 @@ class ChaosRun:
         target: str,
         undo: Undo | None,
         verify: Callable[[FaultDetails], Verification] | None = None,
+        lasts_s: float = 0.0,
     ) -> Iterator[FaultDetails]:
         """Ledger first, then the action (the body), then the check that it took effect,
         whose evidence the ledger keeps: `verify(details)`, by default the target's own
-        (`Target.verify`). See FaultLedger.inject."""
+        (`Target.verify`). See FaultLedger.inject; `lasts_s`, FaultEntry."""
         log.info("llmchaos: fault %s on %s", fault, target)
-        with self.ledger.inject(fault, target, undo) as details:
+        with self.ledger.inject(fault, target, undo, lasts_s) as details:
             yield details
         check = verify or (lambda d: self._backend().verify(fault, d))
         try:
@@ -360,10 +362,17 @@ class ChaosRun:
         self.ledger.record_verification(details.fault_id, verification)
 
     def start_surge(
-        self, qps: float, duration_s: float, prompt_tokens: int, max_tokens: int
+        self,
+        fault_id: int,
+        qps: float,
+        duration_s: float,
+        prompt_tokens: int,
+        max_tokens: int,
+        stream: bool,
     ) -> dict[str, Any]:
         """Start a long-prompt surge beside the load (llmchaos.surge), as the first valid
-        tenant of the target's tokens file; returns what was started."""
+        tenant of the target's tokens file, for the ledger's fault `fault_id`; returns what
+        was started."""
         from llmchaos.load.traffic import load_tenants
 
         backend = self._backend()
@@ -381,7 +390,9 @@ class ChaosRun:
             duration_s=duration_s,
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
+            stream=stream,
         )
+        self._surge_fault_id = fault_id
         self.surge.start()
         return {
             "tenant": tenants[0].tenant if tenants else None,
@@ -389,14 +400,17 @@ class ChaosRun:
             "duration_s": duration_s,
             "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens,
+            "stream": stream,
         }
 
     def stop_surge(self) -> None:
-        """Stop the surge, if any, and note what became of its requests."""
+        """Stop the surge, if any, and note what became of its requests and how long it acted
+        (its fault's end in the ledger)."""
         surge, self.surge = self.surge, None
         if surge is not None:
             counts = surge.stop()
             self.notes.append(f"long-prompt surge answers: {counts}")
+            self.ledger.record_acted_until(self._surge_fault_id, surge.acting_until())
 
     def max_qps(self) -> float | None:
         """The most the target takes (the embedded stack: this machine's calibrated rate, or
@@ -405,6 +419,15 @@ class ChaosRun:
 
     def last_fault_ts(self) -> float | None:
         return self.ledger.last_fault_at()
+
+    def faults_active_until(self) -> float | None:
+        """When the faults that act for a while by themselves stop (FaultLedger), a surge's
+        answers still out included."""
+        until = self.ledger.active_until()
+        surge = self.surge
+        if until is not None and surge is not None:
+            until = max(until, surge.acting_until())
+        return until
 
     def faults(self) -> list[FaultEntry]:
         return self.ledger.entries()

@@ -1,13 +1,17 @@
 """A surge of long prompts from one tenant, sent beside the run's load: KV-cache pressure.
 
     surge = LongPromptSurge(url, token, model, qps=4, duration_s=15, prompt_tokens=6000,
-                            max_tokens=200)
+                            max_tokens=200, stream=False)
     surge.start(); ...; surge.stop()         # stop() waits for the requests still out
+    surge.acting_until()                     # now while requests are out, else the last answer
     surge.counts                             # {"ok": 51, "5xx": 2, "timeout": 0, ...}
 
 The surge is the noisy neighbour, not the service's users: its answers are counted here and
 reported with the fault, never mixed into the load's SLO figures. Requests go out at a
 constant rate on their own threads (open loop, like the load), through the same front door.
+Streamed answers (`stream`) send their first chunk after the prefill; a long plain answer
+sends nothing until its last token, and a gateway's first-byte timeout (6 s here) takes it
+for a hung worker.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class LongPromptSurge:
         duration_s: float,
         prompt_tokens: int,
         max_tokens: int,
+        stream: bool = False,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -59,6 +64,7 @@ class LongPromptSurge:
                 "model": model,
                 "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": max_tokens,
+                "stream": stream,
             }
         ).encode()
         self.qps = qps
@@ -68,8 +74,10 @@ class LongPromptSurge:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._scheduler: threading.Thread | None = None
+        self._last_answer_ts = 0.0
 
     def start(self) -> None:
+        self._last_answer_ts = time.time()
         self._scheduler = threading.Thread(
             target=self._schedule, name="llmchaos-surge", daemon=True
         )
@@ -104,6 +112,17 @@ class LongPromptSurge:
             conn.close()
         with self._lock:
             self.counts[outcome] += 1
+            self._last_answer_ts = time.time()
+
+    def acting_until(self) -> float:
+        """Epoch seconds until which the surge acts on the engines: now while it still sends
+        or waits for answers, else when its last answer came (a long answer holds its KV
+        cache well after the last request went out)."""
+        threads = [*([self._scheduler] if self._scheduler else []), *self._threads]
+        if any(t.is_alive() for t in threads):
+            return time.time()
+        with self._lock:
+            return self._last_answer_ts
 
     def stop(self, timeout_s: float = 10.0) -> dict[str, int]:
         """Send no more; wait up to `timeout_s` for the requests still out; the counts."""

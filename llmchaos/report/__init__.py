@@ -114,7 +114,14 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
     impact = None
     if fault_times and records:
         last = max(fault_times)
-        rec = recovery(records, last, slo, window_s=s.window_s, stable_for_s=s.stable_for_s)
+        rec = recovery(
+            records,
+            last,
+            slo,
+            window_s=s.window_s,
+            stable_for_s=s.stable_for_s,
+            active_until_ts=max(f.active_until for f in facts.faults),
+        )
         impact = fault_impact(
             records,
             min(fault_times),

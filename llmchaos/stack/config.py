@@ -246,6 +246,10 @@ class StackConfig:
     queue_shed_threshold: int = 1000
     """Gateways shed with 429 above this many queued requests (they degrade first, at
     `degradation_queue_threshold`)."""
+    gateway_first_byte_timeout_s: float = 6.0
+    """Gateways' wait for a worker's response headers (GatewaySettings.first_byte_timeout_s)."""
+    gateway_read_timeout_s: float = 10.0
+    """Gateways' wait on one read from a worker (GatewaySettings.stream_idle_timeout_s)."""
     degradation_queue_threshold: int = 500
     """Gateways degrade (shorter answers, `X-Degraded`) when the engines' queue passes this."""
     degradation_latency_for_s: float = 120.0
@@ -306,6 +310,9 @@ class StackConfig:
         for name in ("gpu_load_s", "cpu_load_s", "restart_delay_s", "token_db_latency_ms"):
             if getattr(self, name) < 0:
                 raise InvalidInput(f"{name}: expected >= 0, got {getattr(self, name)}")
+        for name in ("gateway_first_byte_timeout_s", "gateway_read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidInput(f"{name}: expected > 0, got {getattr(self, name)}")
         if self.first_load_s is not None and self.first_load_s < 0:
             raise InvalidInput(f"first_load_s: expected >= 0, got {self.first_load_s}")
         if self.gpu_max_num_seqs is not None and not 1 <= self.gpu_max_num_seqs <= 4096:

@@ -248,6 +248,8 @@ def _start(
         token_db_latency_ms=config.token_db_latency_ms,
         token_db_pool_size=config.token_db_pool_size,
         queue_shed_threshold=config.queue_shed_threshold,
+        first_byte_timeout_s=config.gateway_first_byte_timeout_s,
+        stream_idle_timeout_s=config.gateway_read_timeout_s,
         degradation=DegradationSettings(
             queue_depth_threshold=config.degradation_queue_threshold,
             latency_for_s=config.degradation_latency_for_s,

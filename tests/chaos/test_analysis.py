@@ -80,6 +80,32 @@ def test_fault_without_effect_recovers_in_zero() -> None:
     assert result.recovered and result.recovery_time_s == 0.0 and result.detected_at_ts is None
 
 
+def test_a_fault_still_acting_is_not_recovered_from_before_it_stops() -> None:
+    # a surge from 20 to 35 whose harm shows from 32 on: the first 10 good windows (the
+    # fault's first seconds) said "recovered in 0 s" about a fault still under way
+    records = timeline(["g"] * 32 + ["e"] * 4 + ["g"] * 30)
+    fault_ts = T0 + 20.0
+    early = recovery(records, fault_ts, SLO, window_s=5, stable_for_s=10)
+    assert early.recovered and early.recovery_time_s == 0.0
+    held = recovery(
+        records, fault_ts, SLO, window_s=5, stable_for_s=10, active_until_ts=fault_ts + 15
+    )
+    assert held.recovered and held.detected_at_ts == T0 + 33
+    assert held.recovered_at_ts == T0 + 36 and held.recovery_time_s == 16.0
+    # a surge that harmed nothing is recovered from in 0 s, once its last window is in
+    calm = recovery(
+        timeline(["g"] * 60), fault_ts, SLO, window_s=5, stable_for_s=10,
+        active_until_ts=fault_ts + 15,
+    )  # fmt: skip
+    assert calm.recovered and calm.recovery_time_s == 0.0
+    assert calm.judged_until_ts == T0 + 40  # the run ends with the window of 35..39
+    cut = recovery(
+        timeline(["g"] * 34), fault_ts, SLO, window_s=5, stable_for_s=10,
+        active_until_ts=fault_ts + 15,
+    )  # fmt: skip
+    assert not cut.recovered and cut.earliest_recovery_s == 0.0
+
+
 def test_slo_that_never_holds_again_is_not_recovered() -> None:
     records = timeline(["g"] * 20 + ["s"] * 30)
     result = recovery(records, T0 + 20.0, SLO, window_s=5, stable_for_s=10)

@@ -173,6 +173,24 @@ def test_a_failing_undo_is_reported_and_stays_open(tmp_path: Path) -> None:
     assert len(ledger.open_faults()) == 1
 
 
+def test_a_fault_that_acts_for_a_while_keeps_how_long(tmp_path: Path) -> None:
+    ledger = FaultLedger(tmp_path / "ledger.jsonl")
+    assert ledger.active_until() is None
+    with ledger.inject("long_prompt_surge", "4 long prompts/s for 15 s", None, lasts_s=15.0):
+        pass
+    with ledger.inject("kill_gpu_process", "gpu-0", None):
+        pass
+    surge, kill = ledger.entries()
+    assert surge.active_until == surge.at + 15.0 and kill.active_until == kill.at
+    # the surge outlasts the later kill: recovery is judged until it stops
+    assert ledger.active_until() == surge.at + 15.0
+    assert "lasts_s" not in ledger.path.read_text().splitlines()[-2]  # the kill's inject
+    # the surge's last answer came 12 s after it stopped sending; an earlier one changes nothing
+    ledger.record_acted_until(surge.id, surge.at + 27.0)
+    ledger.record_acted_until(surge.id, surge.at + 3.0)
+    assert ledger.entries()[0].lasts_s == 27.0
+
+
 def test_a_line_cut_off_by_a_kill_is_skipped(tmp_path: Path) -> None:
     ledger = FaultLedger(tmp_path / "ledger.jsonl")
     with ledger.inject("partition_node", "node-a", Undo("heal_partition", {"node": "node-a"})):

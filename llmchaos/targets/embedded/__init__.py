@@ -99,6 +99,14 @@ class EmbeddedSettings(TargetSettings):
     queue_shed_threshold: int = 1000
     """The gateways' last line: 429 above this estimated queue, degraded or not (twice the
     degradation threshold by default)."""
+    gateway_first_byte_timeout_s: float = 6.0
+    """How long a gateway waits for a worker's response headers before it takes the worker
+    for hung (ejects it) and retries elsewhere: 6 s, below the clients' 8 s, so a hung GPU
+    shows. A plain (not streamed) answer sends its headers with its last token, so a
+    workload of long plain answers needs more (nginx's proxy_read_timeout is 60 s)."""
+    gateway_read_timeout_s: float = 10.0
+    """How long a gateway waits on any one read from a worker (headers included, so it bounds
+    the first-byte timeout too) before it takes the worker for hung."""
     discovery: Literal["static", "etcd"] = "static"
     """Where the gateways find their workers: their settings, or a 3-member etcd registry a
     registrar keeps filled (the registry experiments; needs an etcd binary)."""
@@ -135,6 +143,8 @@ class EmbeddedSettings(TargetSettings):
         "degradation_queue_threshold": Range(1, 1_000_000),
         "degradation_latency_for_s": Range(0, 86_400),
         "queue_shed_threshold": Range(1, 1_000_000),
+        "gateway_first_byte_timeout_s": Range(0, 3600, low_open=True),
+        "gateway_read_timeout_s": Range(0, 3600, low_open=True),
         "gpu_max_num_seqs": Range(1, 4096),
         "autoscale_min_replicas": Range(1, 64),
         "autoscale_target_utilization": Range(0, 100, low_open=True),
