@@ -250,6 +250,8 @@ class StackConfig:
     """Gateways' wait for a worker's response headers (GatewaySettings.first_byte_timeout_s)."""
     gateway_read_timeout_s: float = 10.0
     """Gateways' wait on one read from a worker (GatewaySettings.stream_idle_timeout_s)."""
+    gateway_hedge_after_s: float = 1.5
+    """Gateways' hedging delay (GatewaySettings.hedge_after_s); 0: no hedging."""
     degradation_queue_threshold: int = 500
     """Gateways degrade (shorter answers, `X-Degraded`) when the engines' queue passes this."""
     degradation_latency_for_s: float = 120.0
@@ -307,7 +309,13 @@ class StackConfig:
                 raise InvalidInput(f"{name}: expected at most {high}, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise InvalidInput(f"port: expected 0..65535, got {self.port}")
-        for name in ("gpu_load_s", "cpu_load_s", "restart_delay_s", "token_db_latency_ms"):
+        for name in (
+            "gpu_load_s",
+            "cpu_load_s",
+            "restart_delay_s",
+            "token_db_latency_ms",
+            "gateway_hedge_after_s",
+        ):
             if getattr(self, name) < 0:
                 raise InvalidInput(f"{name}: expected >= 0, got {getattr(self, name)}")
         for name in ("gateway_first_byte_timeout_s", "gateway_read_timeout_s"):

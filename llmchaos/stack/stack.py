@@ -250,6 +250,7 @@ def _start(
         queue_shed_threshold=config.queue_shed_threshold,
         first_byte_timeout_s=config.gateway_first_byte_timeout_s,
         stream_idle_timeout_s=config.gateway_read_timeout_s,
+        hedge_after_s=config.gateway_hedge_after_s,
         degradation=DegradationSettings(
             queue_depth_threshold=config.degradation_queue_threshold,
             latency_for_s=config.degradation_latency_for_s,

@@ -188,6 +188,19 @@ def test_the_default_topology_is_unchanged() -> None:
     ]
 
 
+def test_an_experiment_sets_its_gateways_upstream_timeouts_and_hedging() -> None:
+    settings = EmbeddedSettings(
+        gateway_first_byte_timeout_s=60, gateway_read_timeout_s=60, gateway_hedge_after_s=0
+    )
+    config = settings.stack_config()
+    assert (config.gateway_first_byte_timeout_s, config.gateway_read_timeout_s) == (60, 60)
+    assert config.gateway_hedge_after_s == 0
+    with pytest.raises(InvalidInput, match=r"gateway_read_timeout_s: expected > 0, got 0"):
+        StackConfig(gateway_read_timeout_s=0)
+    with pytest.raises(InvalidInput, match=r"gateway_hedge_after_s: expected >= 0, got -1"):
+        StackConfig(gateway_hedge_after_s=-1)
+
+
 def test_a_chaos_run_knows_the_fleet_names_before_it_starts() -> None:
     settings = EmbeddedSettings(gpu_workers=4, gpus_per_node=2, active_gateways=2)
     info = planned_info(settings.stack_config())

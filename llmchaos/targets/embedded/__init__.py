@@ -107,6 +107,10 @@ class EmbeddedSettings(TargetSettings):
     gateway_read_timeout_s: float = 10.0
     """How long a gateway waits on any one read from a worker (headers included, so it bounds
     the first-byte timeout too) before it takes the worker for hung."""
+    gateway_hedge_after_s: float = 1.5
+    """A request its worker has answered nothing for this long gets a twin on another worker
+    (GatewaySettings.hedge_after_s; the variants without hedging never do). 0: off, so an
+    experiment can test what the other defences do alone."""
     discovery: Literal["static", "etcd"] = "static"
     """Where the gateways find their workers: their settings, or a 3-member etcd registry a
     registrar keeps filled (the registry experiments; needs an etcd binary)."""
@@ -145,6 +149,7 @@ class EmbeddedSettings(TargetSettings):
         "queue_shed_threshold": Range(1, 1_000_000),
         "gateway_first_byte_timeout_s": Range(0, 3600, low_open=True),
         "gateway_read_timeout_s": Range(0, 3600, low_open=True),
+        "gateway_hedge_after_s": Range(0, 3600),
         "gpu_max_num_seqs": Range(1, 4096),
         "autoscale_min_replicas": Range(1, 64),
         "autoscale_target_utilization": Range(0, 100, low_open=True),
