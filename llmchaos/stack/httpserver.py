@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import cast
+from typing import Any, cast
 
 import httptools
 
@@ -463,6 +463,24 @@ class HttpServer:
         for conn in list(self.connections):
             if conn._task is None:
                 conn.close()
+
+    async def wait_answered(self, timeout_s: float, hurry: asyncio.Event | None = None) -> None:
+        """Wait up to `timeout_s` (less once `hurry` is set) for the handlers still running to
+        answer, cutting nothing: a drain, after close()."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        hurried = loop.create_task(hurry.wait()) if hurry is not None else None
+        try:
+            while True:
+                running = {c._task for c in self.connections if c._task is not None}
+                left_s = deadline - loop.time()
+                if not running or left_s <= 0 or (hurried is not None and hurried.done()):
+                    return
+                waiters: set[asyncio.Future[Any]] = {*running, *([hurried] if hurried else [])}
+                await asyncio.wait(waiters, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if hurried is not None:
+                hurried.cancel()
 
     async def wait_closed(self, grace_s: float) -> None:
         """Give the handlers still running `grace_s`, then cut their connections (which

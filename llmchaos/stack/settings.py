@@ -125,6 +125,11 @@ class WorkerSettings:
     """Engine cost model."""
     gpu_index: int = 0
     """Index of the simulated GPU the worker holds, shown in /gpu/processes (mode gpu only)."""
+    shutdown_drain_s: float = 1.5
+    """After SIGTERM, how long the requests in flight get to answer before they are aborted:
+    a pod's terminationGracePeriodSeconds (30 s by default), scaled to this simulator's
+    answers of about a second, and under the 2 s after which the node agent (a scale-in, a
+    stack going down) kills. 0: abort at once."""
 
 
 @dataclass(frozen=True)

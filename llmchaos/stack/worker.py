@@ -8,7 +8,9 @@ the port already listening), GET /health (vLLM's: 200 empty once ready, 503 whil
 GET /version, GET /metrics (vLLM's metric names), GET /gpu/processes (nvidia-smi's view: this
 process holds the GPU), and the fault modes' control endpoints (llmchaos.stack.gpu_fault). Every
 response carries `X-Serving-Mode` and `X-Worker`; every error is an OpenAI error body, never a
-traceback. SIGTERM or SIGINT: stop listening, abort what runs, exit 0 within about a second.
+traceback. SIGTERM or SIGINT: stop listening, let what runs answer for up to
+`shutdown_drain_s` (a pod's termination grace: a scale-in or a stack going down costs no
+request; a second signal cuts it short), then abort the rest and exit 0.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ __all__ = ["WorkerServer", "main", "serve"]
 log = logging.getLogger("llmchaos.stack.worker")
 
 SHUTDOWN_GRACE_S = 0.5
-"""How long in-flight handlers get after SIGTERM (their sequences are aborted first, so they
-normally end at once); keeps the exit within about a second."""
+"""How long handlers get once their sequences are aborted (after the drain); they normally
+end at once."""
 
 TTFT_BUCKETS_S = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -233,10 +235,13 @@ class WorkerServer:
             await self.stop()
             raise
 
-    async def stop(self) -> None:
-        """Stop listening, abort what runs (its handlers then end at once), and close."""
+    async def stop(self, drain_s: float = 0.0, hurry: asyncio.Event | None = None) -> None:
+        """Stop listening, let what runs answer for up to `drain_s` (less once `hurry` is
+        set), abort the rest (its handlers then end at once), and close."""
         if self._server is not None:
             self._server.close()
+            if drain_s > 0:
+                await self._server.wait_answered(drain_s, hurry)
         if self._worker is not None:
             self._worker.fault.close()
             await self._worker.engine.close()
@@ -466,11 +471,16 @@ async def _gpu_processes(worker: _Worker, request: Request, responder: Responder
 
 
 async def serve(settings: WorkerSettings) -> None:
-    """Serve until SIGTERM or SIGINT. Raises StackError when the address cannot be bound."""
+    """Serve until SIGTERM or SIGINT, then drain (a second one cuts the drain short).
+    Raises StackError when the address cannot be bound."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     server = WorkerServer(settings)
     try:
         try:
@@ -489,9 +499,9 @@ async def serve(settings: WorkerSettings) -> None:
             settings.profile.load_s,
         )
         await stop.wait()
-        log.info("worker %s stopping", settings.name)
+        log.info("worker %s stopping (drain up to %g s)", settings.name, settings.shutdown_drain_s)
     finally:
-        await server.stop()
+        await server.stop(settings.shutdown_drain_s, hurry)
 
 
 def main(argv: list[str] | None = None) -> int:

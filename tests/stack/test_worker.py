@@ -425,8 +425,9 @@ def test_loading_answers_503_until_load_s_has_passed(
 
 @pytest.mark.slow
 @pytest.mark.asyncio
-async def test_cpu_worker_has_no_gpu_process_and_sigterm_exits_promptly(
-    fresh_worker: list[WorkerProcess], tmp_path: Path
+@pytest.mark.parametrize("signals", [1, 2], ids=["drain", "second-signal"])
+async def test_cpu_worker_has_no_gpu_process_and_sigterm_drains_then_exits(
+    fresh_worker: list[WorkerProcess], tmp_path: Path, signals: int
 ) -> None:
     worker = start_worker(
         WorkerSettings(name="cpu-t", profile=dataclasses.replace(CPU_PROFILE, load_s=0.2)),
@@ -439,19 +440,61 @@ async def test_cpu_worker_has_no_gpu_process_and_sigterm_exits_promptly(
         async with session.get(f"{worker.url}/gpu/processes") as resp:
             assert await resp.json() == []
             assert resp.headers["X-Serving-Mode"] == "cpu"
-        # A stream in flight (100 CPU tokens take ~11 s) must not hold the exit up.
+        # A stream in flight (100 CPU tokens take ~11 s) holds the exit up for the drain only,
+        # and a second signal not even that.
         stream = await session.post(
             f"{worker.url}/v1/chat/completions", json=chat_body(10, 100, stream=True)
         )
         await stream.content.readuntil(b"\n\n")
         sent_at = time.monotonic()
-        worker.proc.send_signal(signal.SIGTERM)
+        for _ in range(signals):
+            worker.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.1)
         returncode = await asyncio.to_thread(worker.proc.wait, 5.0)
         exit_s = time.monotonic() - sent_at
         stream.close()
 
     assert returncode == 0
-    assert exit_s < 1.0
+    drain_s = worker.settings.shutdown_drain_s
+    if signals == 1:
+        assert drain_s <= exit_s < drain_s + 1.5
+    else:
+        assert exit_s < 1.0
+    assert "Traceback" not in worker.log()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_sigterm_lets_the_answer_in_flight_finish_and_takes_no_new_connection(
+    fresh_worker: list[WorkerProcess], tmp_path: Path
+) -> None:
+    worker = start_worker(WorkerSettings(name="gpu-d", profile=TEST_PROFILE), tmp_path)
+    fresh_worker.append(worker)
+    await asyncio.to_thread(wait_ready, worker.url)
+    async with aiohttp.ClientSession() as session:
+        # 60 tokens of 11 ms steps: about 0.7 s, inside the 1.5 s drain
+        answer = asyncio.ensure_future(
+            session.post(f"{worker.url}/v1/chat/completions", json=chat_body(3, 60))
+        )
+        await asyncio.sleep(0.2)
+        sent_at = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        refused = False
+        while not refused and time.monotonic() - sent_at < 1.0:
+            try:
+                await asyncio.to_thread(http_get, f"{worker.url}/healthz")
+                await asyncio.sleep(0.02)
+            except OSError:
+                refused = True
+        resp = await answer
+        body = await resp.json()
+        returncode = await asyncio.to_thread(worker.proc.wait, 5.0)
+        exit_s = time.monotonic() - sent_at
+
+    assert refused, "a draining worker takes no new connection (its health check fails)"
+    assert resp.status == 200 and body["usage"]["completion_tokens"] == 60
+    assert returncode == 0
+    assert exit_s < worker.settings.shutdown_drain_s + 1.0
     assert "Traceback" not in worker.log()
 
 
