@@ -213,20 +213,22 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
-def stop_pids(pids: Sequence[int], grace_s: float = 3.0) -> list[int]:
-    """SIGTERM `pids`, SIGKILL what is still alive after `grace_s`; returns the pids that were
-    alive at the start. A pid whose process ended and was handed to a new one meanwhile is
-    left alone (its start time no longer matches)."""
+def stop_pids(pids: Sequence[int], grace_s: float = 3.0, terms: int = 1) -> list[int]:
+    """SIGTERM `pids` (`terms` times: a second tells an engine worker not to drain), SIGKILL
+    what is still alive after `grace_s`; returns the pids that were alive at the start. A pid
+    whose process ended and was handed to a new one meanwhile is left alone (its start time
+    no longer matches)."""
     started = {pid: start_ticks(pid) for pid in pids}
     alive = [pid for pid, ticks in started.items() if ticks is not None]
 
     def still_ours(pid: int) -> bool:
         return start_ticks(pid) == started[pid]
 
-    for pid in alive:
-        if still_ours(pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGTERM)
+    for _ in range(terms):
+        for pid in alive:
+            if still_ours(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     remaining = list(alive)
     while remaining and time.monotonic() < deadline:

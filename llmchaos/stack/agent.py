@@ -139,7 +139,8 @@ class _Agent:
         return worker.ordinal < self._replicas.get(worker.pool, 0)
 
     def scale_in(self, worker: AgentWorker) -> None:
-        """Stop a running worker its pool no longer wants (not a death: no restart)."""
+        """Stop a running worker its pool no longer wants (not a death: no restart). One
+        SIGTERM: it drains (llmchaos.stack.worker) within the 2 s before the SIGKILL."""
         proc = self.procs.pop(worker.name)
         stop_pids([proc.pid], grace_s=2.0)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -203,7 +204,8 @@ class _Agent:
             if self.step():
                 self.write_state()
             time.sleep(0.05)
-        stop_pids([p.pid for p in self.procs.values()], grace_s=2.0)
+        # the node is going away, not scaling in: nothing routes here any more, no drain
+        stop_pids([p.pid for p in self.procs.values()], grace_s=2.0, terms=2)
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0)

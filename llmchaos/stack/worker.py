@@ -8,15 +8,19 @@ the port already listening), GET /health (vLLM's: 200 empty once ready, 503 whil
 GET /version, GET /metrics (vLLM's metric names), GET /gpu/processes (nvidia-smi's view: this
 process holds the GPU), and the fault modes' control endpoints (llmchaos.stack.gpu_fault). Every
 response carries `X-Serving-Mode` and `X-Worker`; every error is an OpenAI error body, never a
-traceback. SIGTERM or SIGINT: stop listening, let what runs answer for up to
-`shutdown_drain_s` (a pod's termination grace: a scale-in or a stack going down costs no
-request; a second signal cuts it short), then abort the rest and exit 0.
+traceback. SIGTERM or SIGINT: drain for `shutdown_drain_s` (a pod's termination grace), then
+abort what still runs and exit 0; a second signal cuts the drain short (the node agent sends
+two when the stack goes down: nothing routes there any more). Draining, the worker first keeps
+serving while its health checks answer 503 `draining`, for `DEREGISTER_S`, so the gateways
+drop it before its port closes (a pod's readiness failing before its preStop sleep ends),
+then stops listening and lets what runs answer for the rest of the drain.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -63,6 +67,12 @@ from llmchaos.stack.settings import WorkerSettings, load_settings
 __all__ = ["WorkerServer", "main", "serve"]
 
 log = logging.getLogger("llmchaos.stack.worker")
+
+DEREGISTER_S = 1.0
+"""Of the drain, how long the worker still takes requests while its health checks say
+`draining`: the gateways check every second and drop a worker at its first 503, so none is
+sent to a closed port (a refused retry on a second worker scaled in at the same moment was a
+5xx)."""
 
 SHUTDOWN_GRACE_S = 0.5
 """How long handlers get once their sequences are aborted (after the drain); they normally
@@ -177,6 +187,8 @@ class _Worker:
     ready_at: float
     """loop.time() when the simulated model load is over."""
     created_unix_s: int
+    draining: bool = False
+    """Set on SIGTERM: health checks answer 503 `draining`, requests are still served."""
 
     def loading_left_s(self) -> float:
         return max(0.0, self.ready_at - asyncio.get_running_loop().time())
@@ -236,12 +248,21 @@ class WorkerServer:
             raise
 
     async def stop(self, drain_s: float = 0.0, hurry: asyncio.Event | None = None) -> None:
-        """Stop listening, let what runs answer for up to `drain_s` (less once `hurry` is
-        set), abort the rest (its handlers then end at once), and close."""
+        """Drain for `drain_s` (module docstring; cut short once `hurry` is set): serve on
+        while the health checks say draining, then stop listening and let what runs answer;
+        then abort the rest (its handlers end at once), and close."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_s
+        if self._worker is not None and self._server is not None and drain_s > 0:
+            self._worker.draining = True
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(DEREGISTER_S, drain_s)):
+                    await (hurry or asyncio.Event()).wait()
         if self._server is not None:
             self._server.close()
-            if drain_s > 0:
-                await self._server.wait_answered(drain_s, hurry)
+            left_s = deadline - loop.time()
+            if left_s > 0:
+                await self._server.wait_answered(left_s, hurry)
         if self._worker is not None:
             self._worker.fault.close()
             await self._worker.engine.close()
@@ -425,8 +446,9 @@ async def _models(worker: _Worker, request: Request, responder: Responder) -> Re
 
 async def _health(worker: _Worker, request: Request, responder: Responder) -> Response:
     """vLLM's liveness route: 200 with an empty body once the model serves (vLLM only
-    listens then), 503 while it loads."""
-    return Response(503 if worker.loading_left_s() > 0 else 200, content_type="text/plain")
+    listens then), 503 while it loads or drains."""
+    ready = worker.loading_left_s() <= 0 and not worker.draining
+    return Response(200 if ready else 503, content_type="text/plain")
 
 
 async def _version(worker: _Worker, request: Request, responder: Responder) -> Response:
@@ -442,6 +464,8 @@ async def _healthz(worker: _Worker, request: Request, responder: Responder) -> R
         "max_num_seqs": settings.profile.max_num_seqs,
         "pid": os.getpid(),
     }
+    if worker.draining:
+        return json_answer({"status": "draining", **body}, 503)
     left_s = worker.loading_left_s()
     if left_s > 0:
         return json_answer({"status": "loading", **body, "ready_in_s": round(left_s, 3)}, 503)

@@ -465,7 +465,7 @@ async def test_cpu_worker_has_no_gpu_process_and_sigterm_drains_then_exits(
 
 @pytest.mark.slow
 @pytest.mark.asyncio
-async def test_sigterm_lets_the_answer_in_flight_finish_and_takes_no_new_connection(
+async def test_sigterm_drains_health_first_then_the_port_and_lets_answers_finish(
     fresh_worker: list[WorkerProcess], tmp_path: Path
 ) -> None:
     worker = start_worker(WorkerSettings(name="gpu-d", profile=TEST_PROFILE), tmp_path)
@@ -479,22 +479,31 @@ async def test_sigterm_lets_the_answer_in_flight_finish_and_takes_no_new_connect
         await asyncio.sleep(0.2)
         sent_at = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
-        refused = False
-        while not refused and time.monotonic() - sent_at < 1.0:
+        statuses: list[Any] = []
+        late = None
+        while time.monotonic() - sent_at < 3.0:
             try:
-                await asyncio.to_thread(http_get, f"{worker.url}/healthz")
-                await asyncio.sleep(0.02)
+                status, body = await asyncio.to_thread(http_get, f"{worker.url}/healthz")
+                statuses.append((status, body["status"]))
             except OSError:
-                refused = True
+                statuses.append("refused")
+                break
+            if late is None and body["status"] == "draining":
+                # a request sent while the health checks say draining is still served
+                late = await session.post(f"{worker.url}/v1/chat/completions", json=chat_body(3, 2))
+            await asyncio.sleep(0.05)
         resp = await answer
         body = await resp.json()
         returncode = await asyncio.to_thread(worker.proc.wait, 5.0)
         exit_s = time.monotonic() - sent_at
 
-    assert refused, "a draining worker takes no new connection (its health check fails)"
+    # draining (health 503) for about DEREGISTER_S, then the port closes
+    assert (503, "draining") in statuses and statuses[-1] == "refused"
+    assert (200, "ready") not in statuses[statuses.index((503, "draining")) :]
+    assert late is not None and late.status == 200
     assert resp.status == 200 and body["usage"]["completion_tokens"] == 60
     assert returncode == 0
-    assert exit_s < worker.settings.shutdown_drain_s + 1.0
+    assert worker_module.DEREGISTER_S <= exit_s < worker.settings.shutdown_drain_s + 1.0
     assert "Traceback" not in worker.log()
 
 
