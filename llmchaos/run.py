@@ -139,6 +139,7 @@ class ChaosRun:
     surge: LongPromptSurge | None = None
     """The long-prompt surge sent beside the load, if one was started."""
     _surge_fault_id: int = 0
+    """The ledger id of the surge's fault: where stop_surge writes when it stopped acting."""
 
     load_factory: ClassVar[Callable[[LoadConfig], LoadRun]] = LoadRun.start
     """How the load starts: a Locust process of its own (the run layer's tests give it a
