@@ -255,21 +255,28 @@ class Supervisor:
 
     # -- stopping ------------------------------------------------------------------------
     def stop(self, grace_s: float = 5.0) -> None:
-        """End the watch, then SIGTERM every process group started (gateways first), SIGKILL
-        what is left after `grace_s`. Safe to call twice."""
+        """End the watch, then SIGTERM every process group started, a role at a time
+        (gateways first), SIGKILL what is left of the role after `grace_s`. Safe to call
+        twice. A role's processes stop together: an engine worker drains for a second or
+        more after SIGTERM, and one after the other that added up."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
         with self._lock:
-            order = sorted(self._procs.items(), key=lambda item: _STOP_ORDER[self._role(item[0])])
-            for _, process in order:
-                pids = group_members(process.pid, None)
-                kill_all(pids, 15)
-                left = wait_gone([*pids, process.pid], grace_s)
+            roles = {self._role(name) for name in self._procs}
+            for role in sorted(roles, key=lambda role: _STOP_ORDER[role]):
+                processes = [p for name, p in self._procs.items() if self._role(name) == role]
+                pids: list[int] = []
+                for process in processes:
+                    members = group_members(process.pid, None)
+                    kill_all(members, 15)
+                    pids += [*members, process.pid]
+                left = wait_gone(pids, grace_s)
                 kill_all(left)
                 wait_gone(left, 2.0)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=1.0)
+                for process in processes:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        process.wait(timeout=1.0)
 
     def _role(self, name: str) -> str:
         return self.topology.part(name).role
