@@ -246,11 +246,11 @@ class StackConfig:
     queue_shed_threshold: int = 1000
     """Gateways shed with 429 above this many queued requests (they degrade first, at
     `degradation_queue_threshold`)."""
-    gateway_first_byte_timeout_s: float = 6.0
+    gateway_first_byte_timeout_s: float = GatewaySettings.first_byte_timeout_s
     """Gateways' wait for a worker's response headers (GatewaySettings.first_byte_timeout_s)."""
-    gateway_read_timeout_s: float = 10.0
+    gateway_read_timeout_s: float = GatewaySettings.stream_idle_timeout_s
     """Gateways' wait on one read from a worker (GatewaySettings.stream_idle_timeout_s)."""
-    gateway_hedge_after_s: float = 1.5
+    gateway_hedge_after_s: float = GatewaySettings.hedge_after_s
     """Gateways' hedging delay (GatewaySettings.hedge_after_s); 0: no hedging."""
     degradation_queue_threshold: int = 500
     """Gateways degrade (shorter answers, `X-Degraded`) when the engines' queue passes this."""

@@ -28,7 +28,7 @@ from llmchaos.stack.config import (
     StackConfig,
 )
 from llmchaos.stack.fleet import FleetSettings, TrafficShape, check_fits_here, plan_fleet
-from llmchaos.stack.settings import GPU_PROFILE
+from llmchaos.stack.settings import GPU_PROFILE, GatewaySettings
 from llmchaos.stack.stack import start_stack
 from llmchaos.stack.topology import Topology
 from llmchaos.targets import CleanupRequest, Target, TargetInfo, TargetKind, TargetSettings
@@ -99,15 +99,15 @@ class EmbeddedSettings(TargetSettings):
     queue_shed_threshold: int = 1000
     """The gateways' last line: 429 above this estimated queue, degraded or not (twice the
     degradation threshold by default)."""
-    gateway_first_byte_timeout_s: float = 6.0
+    gateway_first_byte_timeout_s: float = GatewaySettings.first_byte_timeout_s
     """How long a gateway waits for a worker's response headers before it takes the worker
     for hung (ejects it) and retries elsewhere: 6 s, below the clients' 8 s, so a hung GPU
     shows. A plain (not streamed) answer sends its headers with its last token, so a
     workload of long plain answers needs more (nginx's proxy_read_timeout is 60 s)."""
-    gateway_read_timeout_s: float = 10.0
+    gateway_read_timeout_s: float = GatewaySettings.stream_idle_timeout_s
     """How long a gateway waits on any one read from a worker (headers included, so it bounds
     the first-byte timeout too) before it takes the worker for hung."""
-    gateway_hedge_after_s: float = 1.5
+    gateway_hedge_after_s: float = GatewaySettings.hedge_after_s
     """A request its worker has answered nothing for this long gets a twin on another worker
     (GatewaySettings.hedge_after_s; the variants without hedging never do). 0: off, so an
     experiment can test what the other defences do alone."""
