@@ -141,9 +141,21 @@ def test_a_stack_scales_out_under_load_and_back_in(stack_factory: Callable[..., 
     while read_replicas(replicas)["gpu"] > 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert read_replicas(replicas)["gpu"] == 1
-    time.sleep(1.0)
-    for node in topology.nodes:
-        for name, worker in read_agent_state(Path(node.agent_state_path)).workers.items():
-            assert worker.running == (name == "gpu-0"), (name, worker)
+
+    def running() -> set[str]:
+        return {
+            name
+            for node in topology.nodes
+            for name, worker in read_agent_state(Path(node.agent_state_path)).workers.items()
+            if worker.running
+        }
+
+    # a stopped worker drains first (shutdown_drain_s), so give it a few seconds to go
+    deadline = time.monotonic() + 10
+    while running() != {"gpu-0"} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running() == {"gpu-0"}
+    time.sleep(1.5)
+    assert running() == {"gpu-0"}, "a stopped worker was started again"
     history = json.loads((replicas.parent / "autoscaler-state.json").read_text())["decisions"]
     assert [d["desired"] for d in history if d["desired"] != d["current"]][-1] == 1
