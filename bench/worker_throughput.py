@@ -8,8 +8,10 @@ limit) on 127.0.0.1, drives it closed-loop from client processes with aiohttp fo
 time, and prints requests/s, latency percentiles and the worker's CPU-seconds per 1000
 requests (from /proc, so Linux only). `--against REV` also runs a worker from the `llmchaos`
 of git revision REV, the two in turn, `--rounds` times each, and prints both figures and
-their ratio: on a shared machine only figures from one run compare. Not a test: it prints
-figures.
+their ratio: on a shared machine only figures from one run compare. `--floor` then also
+runs the least a Python server can do per request on this box, under the same clients: a bare
+uvloop + httptools server answering a fixed body after the worker's median latency; what the
+worker costs above it is its API, engine and metrics. Not a test: it prints figures.
 """
 
 from __future__ import annotations
@@ -59,6 +61,37 @@ async def _drive(url: str, concurrency: int, duration_s: float, max_tokens: int)
     return latencies_s
 
 
+def _floor_server(port: int, delay_s: float) -> None:
+    import httptools
+    import uvloop
+
+    body = json.dumps({"choices": [{"message": {"content": make_text(8)}}]}).encode()
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (
+            len(body),
+            body,
+        )
+    )
+
+    class Bare(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+            self.parser = httptools.HttpRequestParser(self)
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_message_complete(self) -> None:
+            asyncio.get_running_loop().call_later(delay_s, self.transport.write, answer)
+
+    async def serve() -> None:
+        await asyncio.get_running_loop().create_server(Bare, "127.0.0.1", port)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
 def _client(url: str, concurrency: int, duration_s: float, max_tokens: int, out: str) -> None:
     import uvloop
 
@@ -83,6 +116,9 @@ def main() -> int:
         "--against", metavar="REV", help="also measure the worker of this git revision"
     )
     parser.add_argument("--rounds", type=int, default=2, help="turns each with --against")
+    parser.add_argument(
+        "--floor", action="store_true", help="also measure a bare server (module docstring)"
+    )
     args = parser.parse_args()
     duration_s = min(args.duration_s, 20.0)
 
@@ -103,14 +139,16 @@ def main() -> int:
         f"cost scale {scale}"
     )
     if not args.against:
-        _run_worker(profile, None, args, duration_s)
+        n, worker_cpu_s, p50_s = _run_worker(profile, None, args, duration_s)
+        if args.floor:
+            _print_floor(args, duration_s, p50_s, worker_cpu_s / max(n, 1) * 1000)
         return 0
     totals: dict[str, list[float]] = {args.against: [0, 0.0], "new": [0, 0.0]}
     envs = {args.against: tree_at(args.against), "new": None}
     for round_ in range(1, args.rounds + 1):
         for name, env in envs.items():
             print(f"round {round_}, the worker of {name}:")
-            n, worker_cpu_s = _run_worker(profile, env, args, duration_s)
+            n, worker_cpu_s, _ = _run_worker(profile, env, args, duration_s)
             totals[name][0] += n
             totals[name][1] += worker_cpu_s
     per_1000 = {name: cpu_s / max(n, 1) * 1000 for name, (n, cpu_s) in totals.items()}
@@ -120,11 +158,37 @@ def main() -> int:
     return 0
 
 
+def _print_floor(
+    args: argparse.Namespace, duration_s: float, delay_s: float, worker: float
+) -> None:
+    port = free_port()
+    server = multiprocessing.Process(target=_floor_server, args=(port, delay_s), daemon=True)
+    server.start()
+    try:
+        assert server.pid is not None
+        wait_http_ok(f"http://127.0.0.1:{port}/", timeout_s=15.0)
+        cpu_before_s = cpu_s(server.pid)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "client.json")
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            _client(url, args.concurrency, duration_s, args.max_tokens, out)
+            n = len(json.loads(Path(out).read_text())["latencies_s"])
+        floor = (cpu_s(server.pid) - cpu_before_s) / max(n, 1) * 1000
+    finally:
+        server.kill()
+        server.join()
+    print(
+        f"bare server, answers after {delay_s * 1000:.0f} ms: {n} requests, {floor:.3f} CPU-s "
+        f"per 1000 requests; the worker {worker:.3f}, {worker - floor:.3f} above the floor"
+    )
+
+
 def _run_worker(
     profile: EngineProfile, env: dict[str, str] | None, args: argparse.Namespace, duration_s: float
-) -> tuple[int, float]:
+) -> tuple[int, float, float]:
     """One worker (from the `llmchaos` that `env` imports) under the closed-loop clients;
-    prints and returns the requests completed and the worker's CPU-seconds."""
+    prints and returns the requests completed, the worker's CPU-seconds and the median
+    latency."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         settings_path = write_settings(
@@ -168,7 +232,7 @@ def _run_worker(
     n = len(latencies_s)
     if not n:
         print("  no request completed")
-        return 0, worker_cpu_s
+        return 0, worker_cpu_s, 0.0
     print(f"  {n} requests in {wall_s:.1f} s: {n / wall_s:.0f} req/s")
     print(
         f"  latency p50 {latencies_s[n // 2] * 1000:.0f} ms, "
@@ -179,7 +243,7 @@ def _run_worker(
         f"requests ({worker_cpu_s / wall_s * 100:.0f}% of one core)"
     )
     print(f"  client CPU: {sum(r['cpu_s'] for r in results):.2f} s in {len(results)} process(es)")
-    return n, worker_cpu_s
+    return n, worker_cpu_s, latencies_s[n // 2]
 
 
 if __name__ == "__main__":

@@ -181,6 +181,9 @@ class _Connection(asyncio.Protocol):
         self._reading = True
         self._writable: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
+        self._idle_until: float | None = None
+        """loop.time() after which an idle connection closes; None while a request is served.
+        The one timer checks it when it fires rather than being moved per request."""
 
     # asyncio.Protocol
 
@@ -260,9 +263,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self._transport is not None
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        self._idle_until = None
         try:
             url = httptools.parse_url(self._url)
         except httptools.HttpParserInvalidURLError:
@@ -408,9 +409,20 @@ class _Connection(asyncio.Protocol):
             self._raise(HttpError(400, f"request line and headers over {MAX_HEAD_BYTES} bytes"))
 
     def _arm_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-        self._idle = asyncio.get_running_loop().call_later(self._server.keepalive_s, self.close)
+        loop = asyncio.get_running_loop()
+        self._idle_until = loop.time() + self._server.keepalive_s
+        if self._idle is None:
+            self._idle = loop.call_at(self._idle_until, self._on_idle)
+
+    def _on_idle(self) -> None:
+        self._idle = None
+        until = self._idle_until
+        if until is None:
+            return  # serving: _arm_idle starts the timer again when the answer is out
+        if until <= asyncio.get_running_loop().time():
+            self.close()
+        else:
+            self._idle = asyncio.get_running_loop().call_at(until, self._on_idle)
 
 
 class HttpServer:

@@ -189,9 +189,17 @@ class _Worker:
     created_unix_s: int
     draining: bool = False
     """Set on SIGTERM: health checks answer 503 `draining`, requests are still served."""
+    loaded: bool = False
+    """Set by the first loading_left_s() after ready_at: later calls skip the clock."""
 
     def loading_left_s(self) -> float:
-        return max(0.0, self.ready_at - asyncio.get_running_loop().time())
+        if self.loaded:
+            return 0.0
+        left_s = self.ready_at - asyncio.get_running_loop().time()
+        if left_s > 0:
+            return left_s
+        self.loaded = True
+        return 0.0
 
 
 class WorkerServer:
@@ -315,7 +323,7 @@ async def _generate(
         if generation.stream:
             await _stream(request, responder, worker, generation, request_id, plans, seqs)
             return None
-        response = await _complete(worker, generation, request_id, plans, seqs)
+        response = await _complete(worker, generation, request_id, plans, seqs, sum(prompt_tokens))
         if worker.fault.breaks_inference:
             raise worker.fault.error()
         return response
@@ -363,6 +371,7 @@ async def _complete(
     request_id: str,
     plans: list[ChoicePlan],
     seqs: list[Sequence],
+    prompt_tokens: int,
 ) -> Response:
     results = [await seq for seq in seqs]
     if any(r.finish_reason == "abort" for r in results):
@@ -373,7 +382,7 @@ async def _complete(
         generation,
         request_id,
         plans,
-        sum(generation.prompt_tokens),
+        prompt_tokens,
         sum(r.completion_tokens for r in results),
     )
     return Response(body=json.dumps(body).encode())
