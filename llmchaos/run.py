@@ -243,13 +243,19 @@ class ChaosRun:
         """Start the open-loop load against the target, owned by this process."""
         backend = self._backend()
         s = self.settings
+        assert s.target_settings is not None
+        kind = target_kind(s.target)
         if s.effective_qps < s.qps:
-            assert s.target_settings is not None
-            source = target_kind(s.target).max_qps_source(s.target_settings)
+            source = kind.max_qps_source(s.target_settings)
             note = (
                 f"qps: the experiment asks {s.qps:g}; the {s.target} target takes "
                 f"{s.effective_qps:g} ({source})"
             )
+            self.notes.append(note)
+            log.warning("llmchaos: %s", note)
+        for note in kind.layout_notes(
+            s.target_settings, s.effective_qps * s.peak_factor, s.traffic
+        ):
             self.notes.append(note)
             log.warning("llmchaos: %s", note)
         # beyond this machine's rate the target's own workers (a cluster's) send it all,

@@ -606,6 +606,11 @@ class TargetKind(ABC):
         """Where that cap is set, for the run's note when it caps a rate."""
         return "the target's settings"
 
+    def layout_notes(self, settings: TargetSettings, qps: float, traffic: TrafficSpec) -> list[str]:
+        """What the run should say about a layout that cannot carry `qps` of `traffic` (the
+        rate it will send): the target runs it all the same. None to say by default."""
+        return []
+
     def prepare(self, settings: TargetSettings, progress: Callable[[str], None]) -> bool:
         """Measure, before a run, what this target's defaults depend on when it is not known
         yet (the embedded stack: this machine's rate); True when something was measured, so

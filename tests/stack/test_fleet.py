@@ -29,6 +29,7 @@ from llmchaos.stack.procs import http_get_status
 from llmchaos.stack.settings import GPU_PROFILE
 from llmchaos.stack.stack import gateway_layout, node_layout
 from llmchaos.stack.topology import Topology
+from llmchaos.targets import target_kind
 from llmchaos.targets.embedded import EmbeddedSettings
 from llmchaos.targets.embedded.target import planned_info
 from tests.stack.stack_client import chat, valid_token
@@ -288,6 +289,37 @@ def test_the_fleet_for_short_requests_is_sized_on_their_lengths() -> None:
     assert sized.gpu_workers == plan_fleet(1500, TrafficShape(10, 4)).gpu_workers == 4
     with pytest.raises(InvalidInput, match=r"^fleet_for_qps: qps 1500: the fleet needs 36 GPU"):
         RunSettings.from_configuration(base, {})
+
+
+@pytest.mark.parametrize(
+    ("configuration", "short"),
+    [
+        ({"gpu_workers": 32}, ["active_gateways at 1"]),  # the fleet's GPUs, one gateway
+        ({"active_gateways": 2}, ["gpu_workers at 2"]),
+        ({"gpu_workers": 4, "active_gateways": 2, "cpu_workers": 1}, []),  # an overload, set
+        ({"gpu_workers": 32, "gpus_per_node": 2, "active_gateways": 2}, []),  # kv_cache_surge's
+        ({"gpu_workers": 32, "variant": "no-backup-gateway"}, []),  # one gateway is its fault
+        ({}, []),  # the fleet
+        ({"embedded_max_qps": 50, "gpu_workers": 1}, []),  # the reference rate
+        ({"gpu_workers": 1, "autoscale": True}, []),  # the autoscaler sizes the pool
+    ],
+)
+def test_a_layout_set_by_hand_short_of_the_rate_is_named(
+    configuration: dict[str, object], short: list[str]
+) -> None:
+    """Setting one layout field keeps the reference layout's others (auto: no fleet), so
+    1,000 QPS would go through one gateway without a word: the run notes what is short."""
+    settings = RunSettings.from_configuration(
+        {"qps": 5000, "embedded_max_qps": 1000, **configuration}, {}
+    )
+    assert settings.target_settings is not None
+    qps = settings.effective_qps * settings.peak_factor
+    notes = target_kind("embedded").layout_notes(settings.target_settings, qps, settings.traffic)
+    assert len(notes) == (1 if short else 0)
+    for field in short:
+        assert field in notes[0]
+    if notes:
+        assert f"the {qps:g} QPS this run sends" in notes[0]
 
 
 def _layout_of(settings: EmbeddedSettings) -> tuple[int, int, int]:

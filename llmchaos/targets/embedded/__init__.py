@@ -43,6 +43,10 @@ from llmchaos.targets.embedded.target import EmbeddedTarget, planned_info
 __all__ = ["KIND", "REFERENCE_QPS", "EmbeddedKind", "EmbeddedSettings", "EmbeddedTarget"]
 
 
+LAYOUT_FIELDS = ("gpu_workers", "gpus_per_node", "cpu_workers", "active_gateways")
+"""The settings that lay the stack out by hand (fleet_for_qps replaces them)."""
+
+
 @dataclass(frozen=True)
 class EmbeddedSettings(TargetSettings):
     """The embedded stack a run starts (keys without prefix; LLMCHAOS_<FIELD>)."""
@@ -224,8 +228,7 @@ class EmbeddedKind(TargetKind):
         if embedded.fleet_for_qps is None:
             defaults = EmbeddedSettings()
             laid_out = any(
-                getattr(embedded, name) != getattr(defaults, name)
-                for name in ("gpu_workers", "gpus_per_node", "cpu_workers", "active_gateways")
+                getattr(embedded, name) != getattr(defaults, name) for name in LAYOUT_FIELDS
             )
             if qps <= REFERENCE_QPS or laid_out or embedded.autoscale:
                 return settings
@@ -246,6 +249,39 @@ class EmbeddedKind(TargetKind):
                 "fleet_for_qps false"
             ) from None
         return dataclasses.replace(embedded, **layout.sizes(embedded.variant))
+
+    def layout_notes(self, settings: TargetSettings, qps: float, traffic: TrafficSpec) -> list[str]:
+        """Setting some layout fields keeps the reference layout's values for the others (no
+        fleet): name those of the serving path (GPU workers, gateways) left below what the
+        fleet rule lays out for the rate, as one gateway at 1,000 QPS would be. What the
+        experiment sets itself, a deliberate overload included, is its own business."""
+        embedded = _embedded(settings)
+        if embedded.autoscale or embedded.fleet_for_qps or qps <= REFERENCE_QPS:
+            return []
+        defaults = EmbeddedSettings()
+        set_fields = [
+            name for name in LAYOUT_FIELDS if getattr(embedded, name) != getattr(defaults, name)
+        ]
+        if not set_fields:
+            return []
+        gpu = dataclasses.replace(GPU_PROFILE, max_num_seqs=embedded.gpu_max_num_seqs)
+        try:
+            planned = plan_fleet(qps, _traffic_shape(traffic), FleetSettings(gpu_profile=gpu))
+        except InvalidInput:
+            return []  # a rate past any fleet: nothing to compare with
+        planned_sizes = planned.sizes(embedded.variant)
+        short = [
+            f"{name} at {getattr(embedded, name)} (the fleet rule's: {planned_sizes[name]})"
+            for name in ("gpu_workers", "active_gateways")  # the CPU pool serves only without GPUs
+            if name not in set_fields and getattr(embedded, name) < planned_sizes[name]
+        ]
+        if not short:
+            return []
+        return [
+            f"layout: the experiment sets {', '.join(set_fields)} and leaves "
+            f"{', '.join(short)} for the {qps:g} QPS this run sends (`llmchaos stack up --qps "
+            f"{qps:g}` shows the fleet); set those too, or leave every layout field unset"
+        ]
 
     def max_qps_source(self, settings: TargetSettings) -> str:
         embedded = _embedded(settings)
