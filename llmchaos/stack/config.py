@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Literal
 
 from llmchaos.errors import InvalidInput
-from llmchaos.stack.settings import CacheSettings, EngineProfile, GatewaySettings
+from llmchaos.stack.settings import (
+    CacheSettings,
+    DegradationSettings,
+    EngineProfile,
+    GatewaySettings,
+)
 
 __all__ = [
     "DEFAULT_VARIANT",
@@ -243,7 +248,7 @@ class StackConfig:
     """Added to every token-table lookup: the round trip to a networked database."""
     token_db_pool_size: int = 4
     """Token-table connections per gateway: what a cache stampede queues on."""
-    queue_shed_threshold: int = 1000
+    queue_shed_threshold: int = GatewaySettings.queue_shed_threshold
     """Gateways shed with 429 above this many queued requests (they degrade first, at
     `degradation_queue_threshold`)."""
     gateway_first_byte_timeout_s: float = GatewaySettings.first_byte_timeout_s
@@ -252,9 +257,9 @@ class StackConfig:
     """Gateways' wait on one read from a worker (GatewaySettings.stream_idle_timeout_s)."""
     gateway_hedge_after_s: float = GatewaySettings.hedge_after_s
     """Gateways' hedging delay (GatewaySettings.hedge_after_s); 0: no hedging."""
-    degradation_queue_threshold: int = 500
+    degradation_queue_threshold: int = DegradationSettings.queue_depth_threshold
     """Gateways degrade (shorter answers, `X-Degraded`) when the engines' queue passes this."""
-    degradation_latency_for_s: float = 120.0
+    degradation_latency_for_s: float = DegradationSettings.latency_for_s
     """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
     seed's 2 minutes; shorter for short runs)."""
     discovery: DiscoveryMode = "static"

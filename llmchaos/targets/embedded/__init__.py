@@ -28,7 +28,7 @@ from llmchaos.stack.config import (
     StackConfig,
 )
 from llmchaos.stack.fleet import FleetSettings, TrafficShape, check_fits_here, plan_fleet
-from llmchaos.stack.settings import GPU_PROFILE, GatewaySettings
+from llmchaos.stack.settings import GPU_PROFILE, DegradationSettings, GatewaySettings
 from llmchaos.stack.stack import start_stack
 from llmchaos.stack.topology import Topology
 from llmchaos.targets import CleanupRequest, Target, TargetInfo, TargetKind, TargetSettings
@@ -95,12 +95,12 @@ class EmbeddedSettings(TargetSettings):
     (`llmchaos validate` does not measure)."""
     calibration_file: str = "~/.cache/llmchaos/calibration.json"
     """Where this machine's calibrated rate is cached (measured again on another machine)."""
-    degradation_queue_threshold: int = 500
+    degradation_queue_threshold: int = DegradationSettings.queue_depth_threshold
     """The gateways degrade at once when the engines' queue passes this (the seed's 500)."""
-    degradation_latency_for_s: float = 120.0
+    degradation_latency_for_s: float = DegradationSettings.latency_for_s
     """How long the engines' P99 must stay over 800 ms before the gateways degrade (the
     seed's 2 minutes)."""
-    queue_shed_threshold: int = 1000
+    queue_shed_threshold: int = GatewaySettings.queue_shed_threshold
     """The gateways' last line: 429 above this estimated queue, degraded or not (twice the
     degradation threshold by default)."""
     gateway_first_byte_timeout_s: float = GatewaySettings.first_byte_timeout_s
