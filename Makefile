@@ -39,11 +39,12 @@ demo: setup
 # reports/allure-results/; the soak suite, hours, is left to `llmchaos gameday --suite soak`).
 # One after the other: side by side they load two cores enough to move the experiments'
 # timing (an autoscaler scaled out during the warm-up). pytest's exit code 5 (nothing
-# collected) fails here like any other.
+# collected) fails here like any other. Each writes its JUnit XML to reports/junit/, which
+# scripts/test-times.py sums per test file: where CI's time goes.
 test: setup k8s-bin
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests
-	$(BIN)/python -m pytest suites -m resilience
+	$(BIN)/python -m pytest tests --junitxml=reports/junit/tests.xml
+	$(BIN)/python -m pytest suites -m resilience --junitxml=reports/junit/suite.xml
 
 # The Kubernetes control plane tests/k8s/ runs against, built from Go modules once into
 # ~/.cache/llmchaos/k8s/<version>/ (about 16 min cold on 2 cores), skipped when there.
