@@ -20,10 +20,11 @@ content deltas, the finish reason on the chunk with each choice's last delta, a 
 from __future__ import annotations
 
 import functools
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from llmchaos.stack.openai_api import GenerationRequest
 from llmchaos.stack.tokens import make_text
@@ -184,7 +185,7 @@ class StreamChunks:
         body = {**self.head, "choices": choices}
         if completion_tokens is not None and self.request.continuous_usage:
             body["usage"] = usage(self.prompt_tokens, completion_tokens)
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
+        return b"data: " + orjson.dumps(body) + b"\n\n"
 
     def first(self, plans: list[ChoicePlan]) -> bytes:
         """What goes out when the engine produced its first token: the chat role chunks (none
@@ -250,4 +251,4 @@ class StreamChunks:
     def usage(self, completion_tokens: int) -> bytes:
         """The final usage chunk (only with include_usage)."""
         body = {**self.head, "choices": [], "usage": usage(self.prompt_tokens, completion_tokens)}
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
+        return b"data: " + orjson.dumps(body) + b"\n\n"

@@ -26,9 +26,12 @@ import importlib.metadata
 import json
 import logging
 import math
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from llmchaos.stack.httpserver import HttpError, Request, Response
 from llmchaos.stack.tokens import count_tokens
@@ -199,16 +202,33 @@ class GenerationRequest:
         return DEFAULT_MAX_TOKENS if self.chat else DEFAULT_COMPLETION_MAX_TOKENS
 
 
+_LONG_DIGITS = re.compile(rb"\d{19}")
+"""orjson reads an integer past 64 bits as a float (seed 2**64 would pass as 1.8e19): a
+body with a run this long is read by json, which keeps it an int."""
+
+
 def _load_json(raw: bytes) -> dict[str, Any]:
+    if _LONG_DIGITS.search(raw):
+        body = _load_json_slowly(raw)
+    else:
+        try:
+            body = orjson.loads(raw)  # a fifth of json's cost, on the worker's hot path
+        except orjson.JSONDecodeError:
+            body = _load_json_slowly(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _load_json_slowly(raw: bytes) -> Any:
+    """json's reading of what orjson refuses: NaN, UTF-16, integers past 64 bits, lone
+    surrogates are accepted as before, and the errors keep their messages."""
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:  # includes UnicodeDecodeError and over-long integers
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    return body
 
 
 def _type_error(param: str, expected: str, value: object) -> ApiError:

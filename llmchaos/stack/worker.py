@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import uvloop
 from prometheus_client import (
     CollectorRegistry,
@@ -385,7 +386,7 @@ async def _complete(
         prompt_tokens,
         sum(r.completion_tokens for r in results),
     )
-    return Response(body=json.dumps(body).encode())
+    return Response(body=orjson.dumps(body))
 
 
 async def _stream(

@@ -1,0 +1,66 @@
+"""The worker reads request bodies with orjson for speed and json where orjson differs: the
+two together must accept exactly the documents json accepts, with the same values (an
+integer past 64 bits stays an int, NaN stays NaN) and the same errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmchaos.stack.openai_api import ApiError, _load_json
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()  # any size: orjson alone reads those past 64 bits as floats
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text()
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@given(st.dictionaries(st.text(), _values, max_size=6), st.sampled_from(["utf-8", "utf-16"]))
+def test_a_body_reads_as_json_reads_it(body: dict[str, Any], encoding: str) -> None:
+    raw = json.dumps(body, ensure_ascii=False).encode(encoding, "surrogatepass")
+    assert _same(_load_json(raw), json.loads(raw))
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"seed": 18446744073709551616}', None),  # 2**64, an int
+        (b'{"seed": 1e400}', None),  # inf, as json reads it
+        (b'{"x": NaN}', None),
+        (b"[1, 2]", "request body must be a JSON object"),
+        (b'{"x": ', "request body is not valid JSON: Expecting value"),
+        (b"[" * 100_000 + b"]" * 100_000, "request body is nested too deeply"),
+    ],
+)
+def test_edge_bodies_read_or_fail_as_before(raw: bytes, message: str | None) -> None:
+    if message is None:
+        assert _same(_load_json(raw), json.loads(raw))
+        return
+    with pytest.raises(ApiError, match=message) as caught:
+        _load_json(raw)
+    assert caught.value.status == 400 and caught.value.code == "invalid_json"
