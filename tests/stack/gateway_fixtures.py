@@ -185,6 +185,9 @@ class FakeUpstream:
     async def start(self, port: int = 0) -> None:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
+        # a chat-shaped answer to completions too: without the route, a valid completions
+        # request the fuzz test generated got aiohttp's plain-text 404 through the gateway
+        app.router.add_post("/v1/completions", self._chat)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(

@@ -1,18 +1,28 @@
-"""The worker reads request bodies with orjson for speed and json where orjson differs: the
-two together must accept exactly the documents json accepts, with the same values (an
-integer past 64 bits stays an int, NaN stays NaN) and the same errors."""
+"""The shortcuts on the workers' request reading (llmchaos.stack.openai_api): orjson for
+speed and json where orjson differs must together accept exactly the documents json accepts,
+with the same values (an integer past 64 bits stays an int, NaN stays NaN) and the same
+errors; the sampling checks, skipped when no sampling field is there, must know every field
+they check."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import re
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmchaos.stack.openai_api import ApiError, _load_json
+from llmchaos.stack.openai_api import (
+    _SAMPLING_KEYS,
+    ApiError,
+    _check_sampling,
+    _load_json,
+    parse_generation_request,
+)
 
 _scalars = (
     st.none()
@@ -64,3 +74,14 @@ def test_edge_bodies_read_or_fail_as_before(raw: bytes, message: str | None) -> 
     with pytest.raises(ApiError, match=message) as caught:
         _load_json(raw)
     assert caught.value.status == 400 and caught.value.code == "invalid_json"
+
+
+def test_the_sampling_shortcut_knows_every_field_it_checks() -> None:
+    checked = set(re.findall(r'"([a-z_]+)"', inspect.getsource(_check_sampling)))
+    checked -= {"text", "type", "unsupported_parameter"}  # response_format: its keys, its error
+    assert checked == _SAMPLING_KEYS
+    for name in sorted(_SAMPLING_KEYS):  # alone, each bad value is still refused
+        raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], name: [1]})
+        with pytest.raises(ApiError) as caught:
+            parse_generation_request(raw.encode(), ("m",), chat=True)
+        assert caught.value.param == name
