@@ -90,10 +90,13 @@ def haproxy_config(port: int, servers: list[HaproxyServer], stats_port: int) -> 
     connections first (LLM requests last seconds: round robin would pile them up on one); a
     backup server gets requests only when every active one is down.
 
-    `fall 2 rise 2` at 1 s marks a dead primary down in ~2 s, then the backup serves; a
-    refused connection is retried and redispatched so that, once the primary is down, the
-    retries land on the backup. The admin socket is TCP on loopback: a unix socket's path in a
-    deep state folder can pass HAProxy's 97-character limit.
+    `fall 3 rise 2` (checks every 1 s, 0.5 s once one failed) marks a dead primary down in
+    ~2 s, then the backup serves; a refused connection is retried and redispatched so that,
+    until then, the retries land on another gateway. Three failures, not two: a busy gateway
+    whose loop lagged past the 1 s check timeout twice (a token-cache stampede, a long-prompt
+    surge at 1,000 QPS) was marked down, its load went to the others, and they fell in turn.
+    The admin socket is TCP on loopback: a unix socket's path in a deep state folder can pass
+    HAProxy's 97-character limit.
 
     Streaming: `option http-no-delay` sends each chunk at once. Without it HAProxy sends with
     MSG_MORE (like TCP_CORK) while it expects more of a chunked body, and the kernel held the
@@ -129,7 +132,7 @@ def haproxy_config(port: int, servers: list[HaproxyServer], stats_port: int) -> 
         "    balance leastconn",
         "    option httpchk GET /healthz",
         "    http-check expect status 200",
-        "    default-server inter 1s fastinter 500ms downinter 1s fall 2 rise 2",
+        "    default-server inter 1s fastinter 500ms downinter 1s fall 3 rise 2",
     ]
     for server in servers:
         backup = " backup" if server.backup else ""
