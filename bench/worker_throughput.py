@@ -120,6 +120,8 @@ def main() -> int:
         "--floor", action="store_true", help="also measure a bare server (module docstring)"
     )
     args = parser.parse_args()
+    if args.floor and args.against:
+        parser.error("--floor measures beside one worker's run: leave out --against")
     duration_s = min(args.duration_s, 20.0)
 
     scale = args.cost_scale

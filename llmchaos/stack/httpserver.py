@@ -419,10 +419,11 @@ class _Connection(asyncio.Protocol):
         until = self._idle_until
         if until is None:
             return  # serving: _arm_idle starts the timer again when the answer is out
-        if until <= asyncio.get_running_loop().time():
+        loop = asyncio.get_running_loop()
+        if until <= loop.time():
             self.close()
         else:
-            self._idle = asyncio.get_running_loop().call_at(until, self._on_idle)
+            self._idle = loop.call_at(until, self._on_idle)
 
 
 class HttpServer:

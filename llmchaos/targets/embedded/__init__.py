@@ -27,7 +27,13 @@ from llmchaos.stack.config import (
     VARIANTS,
     StackConfig,
 )
-from llmchaos.stack.fleet import FleetSettings, TrafficShape, check_fits_here, plan_fleet
+from llmchaos.stack.fleet import (
+    FleetLayout,
+    FleetSettings,
+    TrafficShape,
+    check_fits_here,
+    plan_fleet,
+)
 from llmchaos.stack.settings import GPU_PROFILE, DegradationSettings, GatewaySettings
 from llmchaos.stack.stack import start_stack
 from llmchaos.stack.topology import Topology
@@ -226,10 +232,7 @@ class EmbeddedKind(TargetKind):
     ) -> TargetSettings:
         embedded = _embedded(settings)
         if embedded.fleet_for_qps is None:
-            defaults = EmbeddedSettings()
-            laid_out = any(
-                getattr(embedded, name) != getattr(defaults, name) for name in LAYOUT_FIELDS
-            )
+            laid_out = bool(_fields_set_by_hand(embedded))
             if qps <= REFERENCE_QPS or laid_out or embedded.autoscale:
                 return settings
         elif not embedded.fleet_for_qps:
@@ -239,8 +242,7 @@ class EmbeddedKind(TargetKind):
                 "fleet_for_qps: cannot be used with autoscale (the autoscaler sizes the GPU "
                 "pool itself); set one of them false"
             )
-        gpu = dataclasses.replace(GPU_PROFILE, max_num_seqs=embedded.gpu_max_num_seqs)
-        layout = plan_fleet(qps, _traffic_shape(traffic), FleetSettings(gpu_profile=gpu))
+        layout = _plan_fleet(embedded, qps, traffic)
         try:
             check_fits_here(layout, rate="qps")
         except InvalidInput as exc:
@@ -258,15 +260,11 @@ class EmbeddedKind(TargetKind):
         embedded = _embedded(settings)
         if embedded.autoscale or embedded.fleet_for_qps or qps <= REFERENCE_QPS:
             return []
-        defaults = EmbeddedSettings()
-        set_fields = [
-            name for name in LAYOUT_FIELDS if getattr(embedded, name) != getattr(defaults, name)
-        ]
+        set_fields = _fields_set_by_hand(embedded)
         if not set_fields:
             return []
-        gpu = dataclasses.replace(GPU_PROFILE, max_num_seqs=embedded.gpu_max_num_seqs)
         try:
-            planned = plan_fleet(qps, _traffic_shape(traffic), FleetSettings(gpu_profile=gpu))
+            planned = _plan_fleet(embedded, qps, traffic)
         except InvalidInput:
             return []  # a rate past any fleet: nothing to compare with
         planned_sizes = planned.sizes(embedded.variant)
@@ -333,6 +331,18 @@ class EmbeddedKind(TargetKind):
             dry_run=request.dry_run,
         )
         return report.lines(dry_run=request.dry_run)
+
+
+def _fields_set_by_hand(embedded: EmbeddedSettings) -> list[str]:
+    """The layout fields the experiment (or environment) moved off their defaults."""
+    defaults = EmbeddedSettings()
+    return [name for name in LAYOUT_FIELDS if getattr(embedded, name) != getattr(defaults, name)]
+
+
+def _plan_fleet(embedded: EmbeddedSettings, qps: float, traffic: TrafficSpec) -> FleetLayout:
+    """plan_fleet for `qps` of `traffic` on GPUs with this stack's batch size."""
+    gpu = dataclasses.replace(GPU_PROFILE, max_num_seqs=embedded.gpu_max_num_seqs)
+    return plan_fleet(qps, _traffic_shape(traffic), FleetSettings(gpu_profile=gpu))
 
 
 def _traffic_shape(traffic: TrafficSpec) -> TrafficShape:
