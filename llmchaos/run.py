@@ -35,6 +35,7 @@ from llmchaos.files import read_json_object, write_json_atomic
 from llmchaos.ledger import LEDGER_FILE, FaultDetails, FaultEntry, FaultLedger, Undo, Verification
 from llmchaos.load import LoadConfig, LoadRun, Summary
 from llmchaos.load.api import find_load_processes
+from llmchaos.machine import CpuSample, MachineCpu
 from llmchaos.processes import Owner, start_ticks, stop_pids
 from llmchaos.redact import redact, redact_text
 from llmchaos.report import RunFacts, RunResult, write_run_report
@@ -138,6 +139,9 @@ class ChaosRun:
     started_at: float = field(default_factory=time.time)
     surge: LongPromptSurge | None = None
     """The long-prompt surge sent beside the load, if one was started."""
+    load_cpu_start: CpuSample | None = None
+    machine_cpu: MachineCpu | None = None
+    """This machine's spare CPU from the load's start to its stop (llmchaos.machine)."""
     _surge_fault_id: int = 0
     """The ledger id of the surge's fault: where stop_surge writes when it stopped acting."""
 
@@ -218,6 +222,7 @@ class ChaosRun:
             notes=self.notes,
             started_at=self.started_at,
             target_recovery=target_recovery,
+            machine=self.machine_cpu.to_dict() if self.machine_cpu else None,
         )
 
     def target_recovery(self) -> dict[str, Any] | None:
@@ -298,6 +303,7 @@ class ChaosRun:
         if cluster is not None:
             self.start_cluster_load(config.qps)
         self.load_start_ts = self.load.wait_started()  # the join timeout + 30 s at most
+        self.load_cpu_start = CpuSample.now()
         return self.load
 
     def start_cluster_load(self, qps: float) -> dict[str, Any] | None:
@@ -465,6 +471,14 @@ class ChaosRun:
         stopped too, found by their marker: the owner watchdog would, but only seconds after
         the run has ended."""
         summary: Summary | None = None
+        if self.load_cpu_start is not None and self.machine_cpu is None:
+            self.machine_cpu = MachineCpu.since(self.load_cpu_start)
+            if self.machine_cpu.short_of_cpu:
+                self.notes.append(
+                    f"this machine was short of CPU while the load ran "
+                    f"({self.machine_cpu.describe()}): the figures include the load's and the "
+                    f"target's wait for a core"
+                )
         if self.load is not None:
             try:
                 summary = self.load.stop()

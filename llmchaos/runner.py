@@ -162,7 +162,7 @@ def failure_message(outcome: ExperimentOutcome) -> str:
     if not_in_effect:  # the run tested nothing: its SLO figures say nothing either way
         return f"{'; '.join(not_in_effect)}; {where}"
     if result.journal_status == "interrupted" and not result.deviated:
-        return f"target unavailable: {reasons}; {where}"
+        return f"target unavailable: {reasons}; {_conditions(result)}; {where}"
     slo = result.slo
     breaches = [
         f"recovery: not recovered (SLA {result.sla_s:g} s)" if result.recovered is False else None,
@@ -176,4 +176,12 @@ def failure_message(outcome: ExperimentOutcome) -> str:
         ),
     ]
     figures = "; ".join(b for b in breaches if b)
-    return f"SLO breached: {reasons}. {figures or 'no figure over its limit'}; {where}"
+    return (
+        f"SLO breached: {reasons}. {figures or 'no figure over its limit'}; {_conditions(result)}"
+        f"; {where}"
+    )
+
+
+def _conditions(result: RunResult) -> str:
+    """The rate and the machine's spare CPU: whether a breach may be the machine's."""
+    return f"at {result.qps_run:g} QPS, machine CPU: {result.machine_line()}"

@@ -63,6 +63,8 @@ class RunFacts:
     was killed at <phase>")."""
     target_recovery: dict[str, Any] | None = None
     """How the target's parts came back after the first fault (Target.recovery_facts)."""
+    machine: dict[str, Any] | None = None
+    """This machine's spare CPU while the load ran (llmchaos.machine.MachineCpu.to_dict)."""
 
 
 def _write_csv(
@@ -209,6 +211,7 @@ def write_run_report(facts: RunFacts, journal: dict[str, Any] | None) -> RunResu
         notes=list(facts.notes),
         rebuilt=facts.rebuilt,
         target_recovery=facts.target_recovery,
+        machine=facts.machine,
         score=None if any(r.startswith("fault not") for r in reasons) else run_score(journal),
         tenants={
             "whole_run": tenant_latency(records),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.files import write_json_atomic
+from llmchaos.machine import MachineCpu
 from llmchaos.redact import redact
 
 __all__ = ["RunResult", "hypothesis_outcome", "probe_output", "verdict_of"]
@@ -82,6 +83,9 @@ class RunResult:
     """The target's own account of the recovery, in Krkn's terms: {"recovered": [{"name",
     "node", "rescheduling_time_s", "readiness_time_s", "total_recovery_time_s"}],
     "unrecovered": [...]} for each part that died after the first fault."""
+    machine: dict[str, Any] | None = None
+    """This machine's spare CPU while the load ran: {"cores", "span_s", "idle_cores",
+    "steal_cores"} (llmchaos.machine); None when no load ran or the report was rebuilt."""
     score: dict[str, Any] | None = None
     """The resilience score (llmchaos.report.score, Krkn's): {"percent", "points", "total",
     "slos": [{"name", "severity", "passed"}]}; None when no SLO was judged or a fault did not
@@ -119,7 +123,12 @@ class RunResult:
             ("back on GPU after", _fmt(self.gpu_return_s, " s")),
             ("worst tenant p99", self._worst_tenant()),
             ("resilience score", self.score_line()),
+            ("machine CPU", self.machine_line()),
         ]
+
+    def machine_line(self) -> str:
+        """ "0.32 of 2 cores idle, 0.01 stolen by the hypervisor, over 48 s", or "-"."""
+        return MachineCpu(**self.machine).describe() if self.machine else "-"
 
     def score_line(self) -> str:
         """ "83% (5 of 6 points; lost: p99-latency-within-slo (warning))", or why unscored."""

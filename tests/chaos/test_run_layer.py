@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,11 @@ import pytest
 from chaoslib.experiment import run_experiment
 
 from conftest import REPO
+from llmchaos import machine as machine_module
 from llmchaos.load import LoadConfig
+from llmchaos.report import RunResult
 from llmchaos.run import ChaosRun
+from llmchaos.runner import ExperimentOutcome, failure_message
 from llmchaos.targets import register_kind
 from tests.chaos.fakes import FakeKind, FakeTarget, ScriptedLoad
 
@@ -155,3 +159,31 @@ def test_without_rollbacks_the_ledger_heals_the_partition(fake_run: dict[str, An
     assert ("heal_partition", {"node": "node-a"}) in target.calls
     assert not target.partitioned
     assert [f["state"] for f in summary["faults"]] == ["undone"]
+
+
+def test_a_failure_says_its_rate_and_the_machines_spare_cpu(
+    fake_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every machine counts as short of CPU here, so the run's note shows too
+    monkeypatch.setattr(machine_module, "SHORT_OF_CPU_IDLE_CORES", 1e9)
+    journal, summary, _ = _run(GPU_KILL, fake_run["runs"], variant="no-failover")
+    machine = summary["machine"]
+    assert machine["cores"] == len(os.sched_getaffinity(0))
+    assert 0.0 <= machine["idle_cores"] <= machine["cores"]
+    assert machine["span_s"] >= 2.0  # the warm-up at least
+    assert any(n.startswith("this machine was short of CPU") for n in summary["notes"])
+    run_dir = Path(summary["run_dir"])
+    outcome = ExperimentOutcome(
+        Path("gpu_kill.json"),
+        "no-failover",
+        1,
+        journal,
+        RunResult.read(run_dir / "summary.json"),
+        run_dir,
+        run_dir / "chaos.log",
+        1.0,
+    )
+    assert (
+        f"at 20 QPS, machine CPU: {machine['idle_cores']:.2f} of {machine['cores']} cores idle"
+        in failure_message(outcome)
+    )
