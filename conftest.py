@@ -52,15 +52,15 @@ CI_RUN_ENV = {
     "LLMCHAOS_STEP_S": "10",
     "LLMCHAOS_FIRST_LOAD_S": "0.5",
 }
-"""Shorter phases when CI is set: the stack's first model loads 0.5 s instead of 2 (a
-restart's, what the faults measure, stays gpu_load_s); 7 s of warm-up instead of 8, so the
-5-s window judged before the method still starts 2 s after the load (its first second, cold
-connections at the full rate, had a P99 of 2.3 s on a 1.4 s run, and with 5 s of warm-up CI's
-steady state once failed before any fault at 3.2 s); the registry down 5 s instead of 15 (the gateways read it every 0.25 s); the
-autoscaling pulse watched 20 s (the limit is 15) and held 10 s once scaled out (one SLO
-window judged), the scale-down window 8 s; the degradation watch 15 s (the queue passes 1,000
-within a second) and 6 s of the overload in degraded mode; the stepped load's steps 10 s
-instead of 20 (7 s of each judged, at 200-1,200 QPS thousands of requests)."""
+"""Shorter phases when CI is set: the stack's first model loads 0.5 s instead of 2 (a restart's,
+what the faults measure, stays gpu_load_s); 7 s of warm-up instead of 8, so the 5-s window
+judged before the method still starts 2 s after the load (its first second, cold connections at
+the full rate, had a P99 of 2.3 s on a 1.4 s run, and with 5 s of warm-up CI's steady state once
+failed before any fault at 3.2 s); the registry down 5 s instead of 15 (the gateways read it
+every 0.25 s); the autoscaling pulse watched 20 s (the limit is 15) and held 10 s once scaled
+out (one SLO window judged), the scale-down window 8 s; the degradation watch 15 s (the queue
+passes 1,000 within a second) and 6 s of the overload in degraded mode; the stepped load's steps
+10 s instead of 20 (7 s of each judged, at 200-1,200 QPS thousands of requests)."""
 
 hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 hypothesis_settings.register_profile("dev", deadline=None)

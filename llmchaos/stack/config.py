@@ -177,6 +177,16 @@ VARIANTS: dict[str, Variant] = {
             hedging=False,
         ),
         Variant(
+            "round-robin-no-health-timeout",
+            "gateways route in turn like a default nginx upstream: no fewest-outstanding "
+            "choice, no hedging, and health checks without a timeout, so a hung worker keeps "
+            "its turn (1 request in 24 on a 1,000-QPS fleet) until those requests time out "
+            "(6 s) and eject it for 5 s",
+            round_robin=True,
+            hedging=False,
+            health_check_timeout=False,
+        ),
+        Variant(
             "small-kv-cache",
             "GPU workers with a fifth of the KV cache (40,000 tokens: a too low "
             "--gpu-memory-utilization): a long-prompt surge preempts and queues",

@@ -64,9 +64,10 @@ __all__ = [
 log = logging.getLogger("chaostoolkit")
 
 CALIBRATION_VERSION = 4
-"""Bumped when the stack's cost per request or the trial changes: older caches are measured
-again. 2: the trial's in-flight cap follows its rate (2,000 dropped sends at 2,000 QPS once
-the mean latency passed 1 s, failing trials the stack passed). 3: MIN_IDLE_CORES. 4: MIN_IDLE_CORES 0.4, not 0.25."""
+"""Bumped when the stack's cost per request or the trial changes: older caches are measured again.
+2: the trial's in-flight cap follows its rate (2,000 dropped sends at 2,000 QPS once the mean
+latency passed 1 s, failing trials the stack passed). 3: MIN_IDLE_CORES. 4: MIN_IDLE_CORES 0.4,
+not 0.25."""
 LADDER_QPS = (100.0, 200.0, 400.0, 600.0, 800.0, 1000.0, 1200.0, 1400.0, 1600.0, 2000.0)
 """Rates tried (those past the largest fleet this machine runs are left out)."""
 FIRST_QPS = 1000.0
