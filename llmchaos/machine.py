@@ -13,6 +13,7 @@ neighbours): CPU the run asked for and did not get, which no process here accoun
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -75,9 +76,4 @@ class MachineCpu:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "cores": self.cores,
-            "span_s": self.span_s,
-            "idle_cores": self.idle_cores,
-            "steal_cores": self.steal_cores,
-        }
+        return dataclasses.asdict(self)
