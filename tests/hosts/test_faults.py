@@ -195,10 +195,11 @@ def test_a_throttled_server_is_throttled_by_the_kernel_and_let_go(open_target: O
     assert idle["pids"][0] == pid and Path(idle["cgroup"]).name.startswith("llmc-hosts-")
     verified = target.verify("throttle_cpu", idle)
     assert verified.in_effect is False and "nr_throttled +0" in verified.evidence, verified
-    # 2% of a CPU while it serves: throttled, slower, still serving. (At 5% it once went
+    # 1% of a CPU while it serves: throttled, slower, still serving. (At 5% it once went
     # unthrottled for 5 s while a 1,000 QPS chaos run held both cores: a server that gets
-    # less than its quota from a saturated box is never throttled.)
-    throttled = target.throttle_cpu("gpu-0", 2)
+    # less than its quota from a saturated box is never throttled. At 2% a faster CPU served
+    # these 8 clients within the quota: nr_throttled +0 over 49 periods, in CI.)
+    throttled = target.throttle_cpu("gpu-0", 1)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         sent = [pool.submit(_busy, server.url, 8.0) for _ in range(8)]
         verified = target.verify("throttle_cpu", throttled)
