@@ -87,9 +87,11 @@ class LongPromptSurge:
         start = time.monotonic()
         sent = 0
         while not self._stop.is_set():
-            due = start + sent / self.qps
-            if due - start >= self.duration_s:
+            # the offset, not `due - start`: start + 0.3 - start can come out just under 0.3
+            offset_s = sent / self.qps
+            if offset_s >= self.duration_s:
                 return
+            due = start + offset_s
             if self._stop.wait(max(0.0, due - time.monotonic())):
                 return
             thread = threading.Thread(target=self._send, name="llmchaos-surge-request", daemon=True)

@@ -70,9 +70,18 @@ def test_the_surge_sends_its_rate_of_long_prompts(
     assert len(body["messages"][0]["content"].split()) == 300
 
 
-def test_the_surge_counts_what_failed(server: tuple[str, type[_Recorder]]) -> None:
+def test_the_surge_counts_what_failed(
+    server: tuple[str, type[_Recorder]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, handler = server
     handler.status = 503
+    # a clock that starts at 1000 s, where 1000 + 0.3 - 1000 < 0.3: CI once sent a 4th request
+    real_monotonic = time.monotonic
+    started = real_monotonic()
+    monkeypatch.setattr(
+        "llmchaos.surge.time",
+        SimpleNamespace(time=time.time, monotonic=lambda: 1000.0 + real_monotonic() - started),
+    )
     surge = LongPromptSurge(url, None, "m", qps=10, duration_s=0.3, prompt_tokens=1, max_tokens=1)
     surge.start()
     time.sleep(0.6)
