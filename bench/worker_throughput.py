@@ -11,7 +11,11 @@ of git revision REV, the two in turn, `--rounds` times each, and prints both fig
 their ratio: on a shared machine only figures from one run compare. `--floor` then also
 runs the least a Python server can do per request on this box, under the same clients: a bare
 uvloop + httptools server answering a fixed body after the worker's median latency; what the
-worker costs above it is its API, engine and metrics. Not a test: it prints figures.
+worker costs above it is its API, engine and metrics. After the load, `--scrapes` GETs
+/metrics on one connection (2,000 by default) and prints the worker's CPU per scrape: the
+gateways' degradation polls, 170 a second in the 1,000-QPS fleet. Not a test: it prints
+figures. `--against` reads the older revision's settings without the fields it does not know
+yet (left at their defaults).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import http.client
 import json
 import multiprocessing
 import subprocess
@@ -30,7 +35,13 @@ from pathlib import Path
 import aiohttp
 from _common import cpu_s, free_port, tree_at, wait_http_ok
 
-from llmchaos.stack.settings import GPU_PROFILE, EngineProfile, WorkerSettings, write_settings
+from llmchaos.stack.settings import (
+    GPU_PROFILE,
+    EngineProfile,
+    WorkerSettings,
+    settings_to_dict,
+    write_settings,
+)
 from llmchaos.stack.tokens import make_text
 
 
@@ -119,6 +130,12 @@ def main() -> int:
     parser.add_argument(
         "--floor", action="store_true", help="also measure a bare server (module docstring)"
     )
+    parser.add_argument(
+        "--scrapes",
+        type=int,
+        default=2000,
+        help="GET /metrics this often after the load (0: not), the worker's CPU per scrape",
+    )
     args = parser.parse_args()
     if args.floor and args.against:
         parser.error("--floor measures beside one worker's run: leave out --against")
@@ -141,22 +158,29 @@ def main() -> int:
         f"cost scale {scale}"
     )
     if not args.against:
-        n, worker_cpu_s, p50_s = _run_worker(profile, None, args, duration_s)
+        n, worker_cpu_s, p50_s, _ = _run_worker(profile, None, args, duration_s)
         if args.floor:
             _print_floor(args, duration_s, p50_s, worker_cpu_s / max(n, 1) * 1000)
         return 0
-    totals: dict[str, list[float]] = {args.against: [0, 0.0], "new": [0, 0.0]}
+    totals: dict[str, list[float]] = {args.against: [0, 0.0, 0.0], "new": [0, 0.0, 0.0]}
     envs = {args.against: tree_at(args.against), "new": None}
     for round_ in range(1, args.rounds + 1):
         for name, env in envs.items():
             print(f"round {round_}, the worker of {name}:")
-            n, worker_cpu_s, _ = _run_worker(profile, env, args, duration_s)
+            n, worker_cpu_s, _, scrape_us = _run_worker(profile, env, args, duration_s)
             totals[name][0] += n
             totals[name][1] += worker_cpu_s
-    per_1000 = {name: cpu_s / max(n, 1) * 1000 for name, (n, cpu_s) in totals.items()}
+            totals[name][2] += scrape_us / args.rounds
+    per_1000 = {name: cpu_s / max(n, 1) * 1000 for name, (n, cpu_s, _) in totals.items()}
     for name, figure in per_1000.items():
         print(f"worker of {name}: {figure:.3f} CPU-s per 1000 requests (all rounds)")
     print(f"new / {args.against}: {per_1000['new'] / per_1000[args.against]:.2f}")
+    if args.scrapes:
+        old_us, new_us = totals[args.against][2], totals["new"][2]
+        print(
+            f"/metrics: {old_us:.0f} CPU-us a scrape for {args.against}, {new_us:.0f} new: "
+            f"{new_us / old_us:.2f}"
+        )
     return 0
 
 
@@ -185,17 +209,51 @@ def _print_floor(
     )
 
 
+_FIELDS_OF = """
+import dataclasses, json
+from llmchaos.stack.settings import EngineProfile, WorkerSettings
+classes = (WorkerSettings, EngineProfile)
+print(json.dumps([[f.name for f in dataclasses.fields(c)] for c in classes]))
+"""
+
+
+def _settings_for(settings: WorkerSettings, env: dict[str, str]) -> dict[str, object]:
+    """The settings as the worker that `env` imports reads them: the fields its revision
+    does not know are left out when at their defaults (a later stop added them); one that is
+    not refuses the comparison."""
+    known = subprocess.run(
+        [sys.executable, "-c", _FIELDS_OF], env=env, check=True, capture_output=True, text=True
+    ).stdout
+    worker_fields, profile_fields = json.loads(known)
+    data = settings_to_dict(settings)
+    defaults = settings_to_dict(
+        WorkerSettings(name="bench", port=settings.port, profile=GPU_PROFILE)
+    )
+    for fields, new, default in (
+        (worker_fields, data, defaults),
+        (profile_fields, data["profile"], defaults["profile"]),
+    ):
+        for name in set(new) - set(fields):
+            if name not in default or new[name] != default[name]:
+                raise SystemExit(f"the older worker has no setting {name}: cannot compare")
+            del new[name]
+    return data
+
+
 def _run_worker(
     profile: EngineProfile, env: dict[str, str] | None, args: argparse.Namespace, duration_s: float
-) -> tuple[int, float, float]:
+) -> tuple[int, float, float, float]:
     """One worker (from the `llmchaos` that `env` imports) under the closed-loop clients;
-    prints and returns the requests completed, the worker's CPU-seconds and the median
-    latency."""
+    prints and returns the requests completed, the worker's CPU-seconds, the median latency
+    and its CPU-microseconds per /metrics scrape (after the load)."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        settings_path = write_settings(
-            WorkerSettings(name="bench", port=port, profile=profile), Path(tmp) / "worker.json"
-        )
+        settings = WorkerSettings(name="bench", port=port, profile=profile)
+        settings_path = Path(tmp) / "worker.json"
+        if env is None:
+            write_settings(settings, settings_path)
+        else:
+            settings_path.write_text(json.dumps(_settings_for(settings, env)))
         worker = subprocess.Popen(
             [sys.executable, "-m", "llmchaos.stack.worker", "--settings", str(settings_path)],
             stderr=subprocess.DEVNULL,
@@ -222,6 +280,7 @@ def _run_worker(
                     proc.kill()
             wall_s = time.monotonic() - wall_start
             worker_cpu_s = cpu_s(worker.pid) - cpu_before_s
+            scrape_us = _scrape_cost_us(worker.pid, port, args.scrapes)
         finally:
             worker.terminate()
             try:
@@ -234,7 +293,7 @@ def _run_worker(
     n = len(latencies_s)
     if not n:
         print("  no request completed")
-        return 0, worker_cpu_s, 0.0
+        return 0, worker_cpu_s, 0.0, scrape_us
     print(f"  {n} requests in {wall_s:.1f} s: {n / wall_s:.0f} req/s")
     print(
         f"  latency p50 {latencies_s[n // 2] * 1000:.0f} ms, "
@@ -245,7 +304,28 @@ def _run_worker(
         f"requests ({worker_cpu_s / wall_s * 100:.0f}% of one core)"
     )
     print(f"  client CPU: {sum(r['cpu_s'] for r in results):.2f} s in {len(results)} process(es)")
-    return n, worker_cpu_s, latencies_s[n // 2]
+    if args.scrapes:
+        print(f"  /metrics: {scrape_us:.0f} worker CPU-us a scrape ({args.scrapes} scrapes)")
+    return n, worker_cpu_s, latencies_s[n // 2], scrape_us
+
+
+def _scrape_cost_us(pid: int, port: int, scrapes: int) -> float:
+    """The worker's CPU-microseconds per GET /metrics, `scrapes` of them on one connection
+    (what the gateways' degradation polls cost it: its histograms hold the load's requests)."""
+    if not scrapes:
+        return 0.0
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10.0)
+    try:
+        before_s = cpu_s(pid)
+        for _ in range(scrapes):
+            conn.request("GET", "/metrics")
+            response = conn.getresponse()
+            response.read()
+            if response.status != 200:
+                raise RuntimeError(f"/metrics answered {response.status}")
+        return (cpu_s(pid) - before_s) / scrapes * 1e6
+    finally:
+        conn.close()
 
 
 if __name__ == "__main__":

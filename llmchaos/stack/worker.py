@@ -28,26 +28,16 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 import uvloop
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from llmchaos.errors import InvalidInput, StackError
-from llmchaos.stack.engine import Engine, EngineStopped, Sequence, SequenceResult, check_profile
+from llmchaos.stack.engine import Engine, EngineStopped, Sequence, check_profile
 from llmchaos.stack.generation import ChoicePlan, StreamChunks, completion_body, plan_choices
 from llmchaos.stack.gpu_fault import GpuFault, fault_routes
 from llmchaos.stack.httpserver import Handler, HttpServer, Request, Responder, Response
@@ -64,6 +54,7 @@ from llmchaos.stack.openai_api import (
     parse_generation_request,
 )
 from llmchaos.stack.settings import WorkerSettings, load_settings
+from llmchaos.stack.worker_metrics import CONTENT_TYPE, WorkerMetrics
 
 __all__ = ["WorkerServer", "main", "serve"]
 
@@ -79,102 +70,11 @@ SHUTDOWN_GRACE_S = 0.5
 """How long handlers get once their sequences are aborted (after the drain); they normally
 end at once."""
 
-TTFT_BUCKETS_S = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-"""vLLM's buckets of vllm:time_to_first_token_seconds."""
-
-E2E_BUCKETS_S = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-"""vLLM's buckets of vllm:e2e_request_latency_seconds."""
-
 _INTERNAL_ERROR = ApiError(500, "internal error in the engine worker", type="internal_server_error")
 """The answer to an error of ours (its traceback goes to the log only)."""
 
 _SSE_DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"))
-
-
-class _EngineCollector(Collector):
-    """Reads the engine's live figures at scrape time: nothing to update per step."""
-
-    def __init__(self, engine: Engine, model: str) -> None:
-        self._engine = engine
-        self._model = model
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self._engine.stats()
-        labels = ["model_name"]
-        value = [self._model]
-        gauges = (
-            ("vllm:num_requests_running", "Requests in the running batch.", stats.running),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means full.", stats.kv_cache_usage),
-        )
-        for name, doc, number in gauges:
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric(value, number)
-            yield gauge
-        counters = (
-            ("vllm:num_preemptions", "Preemptions.", stats.preemptions_total),
-            ("vllm:prompt_tokens", "Prefilled prompt tokens.", stats.prompt_tokens_total),
-            ("vllm:generation_tokens", "Generated tokens.", stats.generation_tokens_total),
-        )
-        for name, doc, number in counters:
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric(value, number)
-            yield counter
-        success = CounterMetricFamily(
-            "vllm:request_success",
-            "Finished requests by finish reason.",
-            labels=["model_name", "finished_reason"],
-        )
-        success.add_metric([self._model, "length"], stats.finished_total)
-        success.add_metric([self._model, "abort"], stats.aborted_total)
-        yield success
-
-
-class _Metrics:
-    """The worker's Prometheus registry (one per process, never the global one)."""
-
-    def __init__(self, engine: Engine, model: str) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model))
-        ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time to first token.",
-            ["model_name"],
-            buckets=TTFT_BUCKETS_S,
-            registry=self.registry,
-        )
-        e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            ["model_name"],
-            buckets=E2E_BUCKETS_S,
-            registry=self.registry,
-        )
-        self._errors = Counter(
-            "llmchaos:worker_request_errors",
-            "Requests answered with an error, by OpenAI error code (or type).",
-            ["model_name", "code"],
-            registry=self.registry,
-        )
-        self._model = model
-        self.ttft_s = ttft.labels(model)
-        self.e2e_s = e2e.labels(model)
-
-    def observe(self, result: SequenceResult) -> None:
-        if result.finish_reason != "length" or result.ttft_s is None:
-            return
-        self.ttft_s.observe(result.ttft_s)
-        self.e2e_s.observe(result.e2e_s)
-
-    def count_error(self, exc: ApiError) -> None:
-        self._errors.labels(self._model, exc.code or exc.type).inc()
 
 
 @dataclass
@@ -183,7 +83,7 @@ class _Worker:
 
     settings: WorkerSettings
     engine: Engine
-    metrics: _Metrics
+    metrics: WorkerMetrics
     fault: GpuFault
     ready_at: float
     """loop.time() when the simulated model load is over."""
@@ -223,7 +123,7 @@ class WorkerServer:
         worker = _Worker(
             settings=settings,
             engine=engine,
-            metrics=_Metrics(engine, settings.model),
+            metrics=WorkerMetrics(engine, settings.model),
             fault=GpuFault(engine),
             ready_at=asyncio.get_running_loop().time() + settings.profile.load_s,
             created_unix_s=int(time.time()),
@@ -486,9 +386,7 @@ async def _healthz(worker: _Worker, request: Request, responder: Responder) -> R
 
 
 async def _metrics(worker: _Worker, request: Request, responder: Responder) -> Response:
-    return Response(
-        body=generate_latest(worker.metrics.registry), content_type=CONTENT_TYPE_PLAIN_0_0_4
-    )
+    return Response(body=worker.metrics.exposition(), content_type=CONTENT_TYPE)
 
 
 async def _gpu_processes(worker: _Worker, request: Request, responder: Responder) -> Response:
@@ -567,7 +465,6 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidInput as exc:
         print(f"llmchaos worker: {exc}", file=sys.stderr)
         return 2
-    disable_created_metrics()  # vLLM exports no *_created series either
     try:
         uvloop.run(serve(settings))
     except StackError as exc:

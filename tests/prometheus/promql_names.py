@@ -14,7 +14,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 EXPORTERS = {
-    "llmchaos/stack/worker.py": "",
+    "llmchaos/stack/worker_metrics.py": "",
     "llmchaos/stack/gateway/metrics.py": "",
     "llmchaos/load/live.py": "llmchaos_load_",
 }

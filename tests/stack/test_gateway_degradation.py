@@ -25,7 +25,7 @@ from llmchaos.stack.gateway.degradation import (
 )
 from llmchaos.stack.openai_api import parse_generation_request
 from llmchaos.stack.settings import DegradationSettings
-from llmchaos.stack.worker import E2E_BUCKETS_S
+from llmchaos.stack.worker_metrics import E2E_BUCKETS_S
 from tests.stack import gateway_fixtures as fx
 from tests.stack.gateway_fixtures import (
     MODEL,
