@@ -10,13 +10,14 @@ from llmchaos.run import current_run
 __all__ = ["oom_kill_worker", "throttle_cpu", "unthrottle_cpu"]
 
 
-def throttle_cpu(part: str, cpu_percent: float = 5.0) -> dict[str, Any]:
+def throttle_cpu(part: str, cpu_percent: float = 5.0, hold_s: float = 0.0) -> dict[str, Any]:
     """Cap `part` (a worker, or a gateway: primary, backup or a name) at `cpu_percent` of one
     CPU with the kernel's CFS bandwidth control (cgroup v2 cpu.max, v1 cpu.cfs_quota_us): a
     quota per 100 ms period; under 1%, 1 ms per a longer period (0.5%: per 200 ms); at least
-    0.1. Until unthrottle_cpu or the run's end. Returns the cgroup, its quota and period and
-    its throttling counters (nr_throttled, throttled_usec) before."""
-    return faults.throttle_cpu(current_run(), part, cpu_percent)
+    0.1. Until unthrottle_cpu or the run's end; a recovery counts only once it outlasts
+    `hold_s` of the throttle. Returns the cgroup, its quota and period and its throttling
+    counters (nr_throttled, throttled_usec) before."""
+    return faults.throttle_cpu(current_run(), part, cpu_percent, hold_s)
 
 
 def unthrottle_cpu(part: str) -> str:

@@ -86,6 +86,7 @@ def argument_ranges(settings: RunSettings) -> dict[str, Range]:
     return {
         "qps": SETTING_RANGES["qps"],
         "duration_s": Range(0, longest_s, low_open=True),
+        "hold_s": Range(0, longest_s),
         "factor": Range(0, 100, low_open=True),
         "limit": Range(0, math.inf),
         "min_share": Range(0, 1),
