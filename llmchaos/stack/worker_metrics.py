@@ -5,9 +5,9 @@ degradation trigger), about 200 scrapes a second in the 1,000-QPS fleet, and
 `generate_latest` alone took 259 us in-process on 2026-12-06 (its collectors build a Metric
 object per family and a Sample per line); this takes 18. A whole HTTP scrape cost the worker
 313 CPU-us before and 50 after (`bench/worker_throughput.py --against e5e1528`, which
-measures both); `tests/stack/test_worker_metrics.py` holds the two texts to the same bytes. Values are formatted by
-prometheus_client's own `floatToGoString`, so a counter past a million reads `1.2e+06` as
-there.
+measures both); `tests/stack/test_worker_metrics.py` holds the two texts to the same
+bytes. Values are formatted by prometheus_client's own `floatToGoString`, so a counter past
+a million reads `1.2e+06` as there.
 
     metrics = WorkerMetrics(engine, "llmchaos-7b")
     metrics.observe(result)             # a finished sequence: TTFT and e2e histograms
