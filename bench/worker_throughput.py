@@ -13,7 +13,7 @@ runs the least a Python server can do per request on this box, under the same cl
 uvloop + httptools server answering a fixed body after the worker's median latency; what the
 worker costs above it is its API, engine and metrics. After the load, `--scrapes` GETs
 /metrics on one connection (2,000 by default) and prints the worker's CPU per scrape: the
-gateways' degradation polls, 170 a second in the 1,000-QPS fleet. Not a test: it prints
+gateways' degradation polls, about 200 a second in the 1,000-QPS fleet. Not a test: it prints
 figures. `--against` reads the older revision's settings without the fields it does not know
 yet (left at their defaults).
 """

@@ -142,6 +142,11 @@ class WorkerMetrics:
             E2E_BUCKETS_S,
             self._model_label,
         )
+        errors = "llmchaos:worker_request_errors_total"
+        self._errors_head = _head(
+            errors, "counter", "Requests answered with an error, by OpenAI error code (or type)."
+        )
+        self._errors_line = (f'{errors}{{code="', f'",{self._model_label}}} ')
         self._errors: dict[str, int] = {}
         """OpenAI error code (or type) -> requests answered with it."""
 
@@ -164,17 +169,8 @@ class WorkerMetrics:
         out.append(f"{abort}{floatToGoString(stats.aborted_total)}\n")
         self.ttft_s.write(out)
         self.e2e_s.write(out)
-        errors = "llmchaos:worker_request_errors_total"
-        out.append(
-            _head(
-                errors,
-                "counter",
-                "Requests answered with an error, by OpenAI error code (or type).",
-            )
-        )
+        out.append(self._errors_head)
         for code, count in self._errors.items():
-            out.append(
-                f'{errors}{{code="{_label_value(code)}",{self._model_label}}} '
-                f"{floatToGoString(count)}\n"
-            )
+            before, after = self._errors_line
+            out.append(f"{before}{_label_value(code)}{after}{floatToGoString(count)}\n")
         return "".join(out).encode()

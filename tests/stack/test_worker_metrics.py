@@ -123,7 +123,7 @@ _results = st.builds(
 
 @given(
     stats=_stats,
-    model=st.sampled_from(["llmchaos-7b", 'odd"model\\name\nx']),
+    model=st.sampled_from(["llmchaos-7b", 'odd"model\\name\nx{}']),
     results=st.lists(_results, max_size=30),
     error_codes=st.lists(
         st.sampled_from(["model_loading", "worker_stopping", 'q"uote']), max_size=5
