@@ -20,9 +20,10 @@ import allure
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from llmchaos.processes import stat_fields
 from llmchaos.runner import ExperimentOutcome
 from llmchaos.runner import run_experiment as run_chaos_experiment
-from llmchaos.signals import raise_on_interrupt
+from llmchaos.signals import install, raise_on_interrupt
 from llmchaos.stack.config import StackConfig
 from llmchaos.stack.netns import check_netns_support
 from llmchaos.stack.stack import start_stack, stop_stack
@@ -80,6 +81,39 @@ def pytest_configure(config: pytest.Config) -> None:
     # SIGTERM (a CI runner cancelling the job) ends the session like Ctrl-C: fixtures stop
     # the stacks and runs they started instead of leaving them behind.
     raise_on_interrupt()
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        _pass_interrupts_to_xdist_workers()
+
+
+XDIST_TEARDOWN_S = 120
+"""How long an interrupted xdist controller waits for its workers before it kills them (xdist
+waits 10 s)."""
+
+
+def _pass_interrupts_to_xdist_workers() -> None:
+    """In xdist's controller: the first SIGINT or SIGTERM goes on to the workers (its children;
+    it runs no test itself) as SIGTERM, and the session ends through them: each worker's test
+    is interrupted as in a plain run, its fixtures stop what it started, and the first worker
+    done stops the session. A second signal stops the controller at once. Left to xdist, a
+    signal to the controller alone (a CI runner's cancel, `kill`) shut the workers down
+    with execnet's limits, 10-15 s, then SIGKILL: a chaos run's teardown was cut short and
+    its stack left behind (tests/test_harness.py)."""
+    import xdist.workermanage
+
+    xdist.workermanage.NodeManager.EXIT_TIMEOUT = XDIST_TEARDOWN_S
+    passed_on: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        if passed_on:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        passed_on.append(signum)
+        me = str(os.getpid())
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and (stat_fields(proc.name) or ["", ""])[1] == me:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(proc.name), signal.SIGTERM)
+
+    install(interrupt)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where a test run's time went, per test file: the JUnit XML files `make test` writes
-(reports/junit/tests.xml, reports/junit/suite.xml) summed by file, slowest first.
+(reports/junit/tests.xml, tests-solo.xml, suite.xml) summed by file, slowest first. The
+first part runs on 4 xdist workers: its sum is the workers' time, about 4 times its wall time.
 
     python3 scripts/test-times.py [reports/junit/tests.xml ...] [--top 30]
 """
@@ -13,7 +14,11 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-DEFAULT_FILES = ["reports/junit/tests.xml", "reports/junit/suite.xml"]
+DEFAULT_FILES = [
+    "reports/junit/tests.xml",
+    "reports/junit/tests-solo.xml",
+    "reports/junit/suite.xml",
+]
 
 
 def _module(classname: str) -> str:

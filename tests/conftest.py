@@ -6,13 +6,18 @@ the embedded stack unless a test sets the cap itself: the tests check the framew
 mechanics, the resilience suite (suites/) the catalogue at the calibrated rate. A test that
 builds settings from an explicit environment without a cap would calibrate this machine (a
 minute of load): `calibrate` is replaced for every test by one that fails saying so, and the
-machine's cached calibration is not read (tests/stack/test_calibration.py tests both)."""
+machine's cached calibration is not read (tests/stack/test_calibration.py tests both).
+
+They run side by side: `make test` runs them on 4 pytest-xdist workers (most of them wait on
+servers rather than use a core), then the `solo` ones alone (the collection hook below says
+which)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +25,36 @@ import llmchaos.targets.embedded as embedded
 from llmchaos.targets.embedded.calibration import Calibration
 
 os.environ.setdefault("LLMCHAOS_EMBEDDED_MAX_QPS", "50")
+
+ONE_WORKER_FOLDERS = ("tests/k8s", "tests/hosts")
+"""Folders whose modules all run on one xdist worker: tests/k8s's share one control plane
+(etcd, kube-apiserver, controllers, kwok: a session fixture, started once per worker);
+tests/hosts's start the example hosts files' servers (experiments/targets/*.yaml), on fixed
+ports. Every other module runs on one worker, its module-scoped stacks started once."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's `loadfile` scheduling with ONE_WORKER_FOLDERS as one file each, whatever
+    `--dist` says: spread test by test, the hosts tests collide on their ports. (xdist_group
+    marks would do it, but `--dist loadgroup` does not group under pytest 9.2.)"""
+    from xdist.scheduler import LoadFileScheduling
+
+    class FolderScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return next((f for f in ONE_WORKER_FOLDERS if module.startswith(f + "/")), module)
+
+    return FolderScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Before `-m` selects: a test that keeps every core busy on purpose (busy_cores) is
+    `solo`. Beside other tests it would load their machine too, and it checks its own
+    signal handling under exactly that load."""
+    for item in items:
+        if "busy_cores" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.solo)
 
 
 def _no_calibration(path: Path, *_args: object, **_kwargs: object) -> Calibration:
