@@ -81,39 +81,38 @@ def pytest_configure(config: pytest.Config) -> None:
     # SIGTERM (a CI runner cancelling the job) ends the session like Ctrl-C: fixtures stop
     # the stacks and runs they started instead of leaving them behind.
     raise_on_interrupt()
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        _pass_interrupts_to_xdist_workers()
+    if hasattr(config, "workerinput"):
+        install(_interrupt_once)
 
 
-XDIST_TEARDOWN_S = 120
-"""How long an interrupted xdist controller waits for its workers before it kills them (xdist
-waits 10 s)."""
+def _interrupt_once(signum: int, _frame: object) -> None:
+    """An xdist worker's SIGINT/SIGTERM: KeyboardInterrupt the first time, later ones ignored.
+    A Ctrl-C reaches the controller and its workers both, and the controller passes it on
+    (below): a second KeyboardInterrupt would cut short the teardown the first started."""
+    install(signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _pass_interrupts_to_xdist_workers() -> None:
-    """In xdist's controller: the first SIGINT or SIGTERM goes on to the workers (its children;
-    it runs no test itself) as SIGTERM, and the session ends through them: each worker's test
-    is interrupted as in a plain run, its fixtures stop what it started, and the first worker
-    done stops the session. A second signal stops the controller at once. Left to xdist, a
-    signal to the controller alone (a CI runner's cancel, `kill`) shut the workers down
-    with execnet's limits, 10-15 s, then SIGKILL: a chaos run's teardown was cut short and
-    its stack left behind (tests/test_harness.py)."""
-    import xdist.workermanage
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In xdist's controller (a run with -n, not --collect-only), pass interrupts on."""
+    if session.config.pluginmanager.getplugin("dsession") is not None:
+        install(_pass_interrupt_to_xdist_workers)
 
-    xdist.workermanage.NodeManager.EXIT_TIMEOUT = XDIST_TEARDOWN_S
-    passed_on: list[int] = []
 
-    def interrupt(signum: int, _frame: object) -> None:
-        if passed_on:
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-        passed_on.append(signum)
-        me = str(os.getpid())
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and (stat_fields(proc.name) or ["", ""])[1] == me:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(proc.name), signal.SIGTERM)
-
-    install(interrupt)
+def _pass_interrupt_to_xdist_workers(signum: int, _frame: object) -> None:
+    """The xdist controller's first SIGINT or SIGTERM goes on to its workers (its children;
+    it runs no test itself), and the session ends through them: each worker's test is
+    interrupted as in a plain run, its fixtures stop what it started, and the workers report
+    back. A second signal stops the controller (xdist then gives its workers 10 s). Left to
+    xdist, a signal to the controller alone (a CI runner's cancel, `kill`) shut the workers
+    down with a 10 s limit, then SIGKILL: a chaos run's teardown was cut short and its stack
+    left behind (tests/test_harness.py)."""
+    raise_on_interrupt()  # the second
+    me = str(os.getpid())
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and (stat_fields(proc.name) or ["", ""])[1] == me:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(proc.name), signal.SIGTERM)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -13,9 +13,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
-def _line(summary: dict) -> str:
+def _line(summary: dict[str, Any]) -> str:
     load = summary.get("load") or {}
     recovery = summary.get("recovery_time_s")
     p99 = summary.get("worst_p99_ms")
@@ -26,7 +27,7 @@ def _line(summary: dict) -> str:
         f"{summary.get('qps_run') or 0:>6.0f} QPS",
         "not recovered" if recovery is None else f"recovered {recovery:g} s",
         "worst P99 -" if p99 is None else f"worst P99 {p99 / 1000:.1f} s",
-        f"{summary.get('failed_requests', 0):,} of {load.get('scheduled', 0):,} failed",
+        f"{summary.get('failed_requests') or 0:,} of {load.get('scheduled') or 0:,} failed",
     ]
     if summary.get("cpu_answers"):
         cells.append(f"{summary['cpu_answers']:,} CPU answers")
@@ -45,7 +46,7 @@ def main() -> int:
     for path in summaries:
         try:
             print(_line(json.loads(path.read_text())))
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             print(f"{path}: not a run summary ({exc})", file=sys.stderr)
             return 1
     return 0

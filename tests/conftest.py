@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from xdist.remote import Producer
+from xdist.scheduler import LoadFileScheduling
 
 import llmchaos.targets.embedded as embedded
 from llmchaos.targets.embedded.calibration import Calibration
@@ -29,21 +30,24 @@ os.environ.setdefault("LLMCHAOS_EMBEDDED_MAX_QPS", "50")
 ONE_WORKER_FOLDERS = ("tests/k8s", "tests/hosts")
 """Folders whose modules all run on one xdist worker: tests/k8s's share one control plane
 (etcd, kube-apiserver, controllers, kwok: a session fixture, started once per worker);
-tests/hosts's start the example hosts files' servers (experiments/targets/*.yaml), on fixed
-ports. Every other module runs on one worker, its module-scoped stacks started once."""
+tests/hosts/test_catalogue.py starts the example hosts files' servers on their fixed ports
+(experiments/targets/*.yaml), which tests/hosts/test_topology.py checks are free. Every other
+module runs on one worker, its module-scoped stacks started once."""
 
 
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """xdist's `loadfile` scheduling with ONE_WORKER_FOLDERS as one file each, whatever
-    `--dist` says: spread test by test, the hosts tests collide on their ports. (xdist_group
+class FolderScheduling(LoadFileScheduling):
+    """xdist's `loadfile` scheduling with each of ONE_WORKER_FOLDERS as one file. (xdist_group
     marks would do it, but `--dist loadgroup` does not group under pytest 9.2.)"""
-    from xdist.scheduler import LoadFileScheduling
 
-    class FolderScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return next((f for f in ONE_WORKER_FOLDERS if module.startswith(f + "/")), module)
+    def _split_scope(self, nodeid: str) -> str:
+        module = nodeid.split("::", 1)[0]
+        return next((f for f in ONE_WORKER_FOLDERS if module.startswith(f + "/")), module)
 
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> FolderScheduling:
+    """FolderScheduling whatever `--dist` says: spread test by test, the hosts tests collide
+    on their ports."""
     return FolderScheduling(config, log)
 
 
@@ -51,7 +55,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Before `-m` selects: a test that keeps every core busy on purpose (busy_cores) is
     `solo`. Beside other tests it would load their machine too, and it checks its own
-    signal handling under exactly that load."""
+    signal handling under exactly that load. (Tests marked `solo` by hand: those that run
+    a machine-wide `llmchaos cleanup`, or kill an owner with -9 for one to find: a cleanup on
+    another worker removes what a killed owner of a third test left before that test looks.)"""
     for item in items:
         if "busy_cores" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.solo)

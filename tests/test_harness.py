@@ -3,12 +3,16 @@ run must still stop what its tests started."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO
 from llmchaos.processes import pid_alive
@@ -19,7 +23,8 @@ import pytest
 
 @pytest.fixture
 def child():
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # deaf to SIGINT: a Ctrl-C to the whole process group must not end it, the teardown must
+    proc = subprocess.Popen([sys.executable, "-c", {child!r}])
     with open({pid_file!r}, "w") as f:
         f.write(str(proc.pid))
     yield
@@ -36,17 +41,24 @@ TEARDOWN_S = 12
 """The sleeper's teardown: longer than xdist's own wait for a worker (10 s)."""
 
 
-def test_a_sigterm_to_the_xdist_controller_alone_stops_the_workers_tests(
-    tmp_path: Path, busy_cores: None
+_CHILD = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)"
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["controller-alone", "ctrl-c-to-all"])
+def test_an_interrupted_xdist_run_lets_its_tests_stop_what_they_started(
+    tmp_path: Path, to_group: bool, busy_cores: None
 ) -> None:
     """SIGTERM sent to the controller alone (a CI runner cancelling the job, `kill`) reaches
     the workers' tests, and their fixtures get the time to stop what they started: xdist's
-    own shutdown (execnet's 5 s, then SIGINT, then 10 s, then exit) left the child running.
-    SIGINT takes the same path in the controller."""
+    own shutdown SIGKILLed the worker after 10 s, mid-teardown, and left the child running.
+    A Ctrl-C (SIGINT to the controller and the worker both) does the same: the controller's
+    SIGTERM that follows must not interrupt the teardown the SIGINT started."""
     pid_file = tmp_path / "child.pid"
     test_file = tmp_path / "test_sleeper.py"
     test_file.write_text(
-        textwrap.dedent(_SLEEPER_TEST.format(pid_file=str(pid_file), teardown_s=TEARDOWN_S))
+        textwrap.dedent(
+            _SLEEPER_TEST.format(pid_file=str(pid_file), teardown_s=TEARDOWN_S, child=_CHILD)
+        )
     )
     controller = subprocess.Popen(
         [sys.executable, "-m", "pytest", str(test_file), "-n", "1", "-q", "-p", "no:cacheprovider"],
@@ -54,6 +66,7 @@ def test_a_sigterm_to_the_xdist_controller_alone_stops_the_workers_tests(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # on failure the whole run goes: controller, worker, child
     )
     child_pid = None
     try:
@@ -63,13 +76,16 @@ def test_a_sigterm_to_the_xdist_controller_alone_stops_the_workers_tests(
             assert time.monotonic() < deadline, "the worker's test never started its child"
             time.sleep(0.1)
         child_pid = int(pid_file.read_text())
-        controller.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(controller.pid, signal.SIGINT)
+        else:
+            controller.send_signal(signal.SIGTERM)
         output = controller.communicate(timeout=TEARDOWN_S + 60)[0]
         assert controller.returncode == 2, output  # interrupted
         assert not pid_alive(child_pid), f"the test's child {child_pid} outlived the run"
     finally:
-        if controller.poll() is None:
-            controller.kill()
-            controller.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(controller.pid, signal.SIGKILL)
+        controller.wait()
         if child_pid is not None and pid_alive(child_pid):
-            subprocess.run(["kill", "-9", str(child_pid)], check=False)
+            os.kill(child_pid, signal.SIGKILL)

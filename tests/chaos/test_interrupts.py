@@ -234,6 +234,7 @@ def _kill_9_at(
     return run_dir
 
 
+@pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py
 def test_kill_9_then_cleanup_leaves_nothing(tmp_path: Path, needs_netns: None) -> None:
     proc, runs = _start(tmp_path)
     run_dir = _kill_9_at(proc, runs, tmp_path / "chaos.log", None)
@@ -251,6 +252,7 @@ def test_kill_9_then_cleanup_leaves_nothing(tmp_path: Path, needs_netns: None) -
     assert [f["state"] for f in summary["faults"]] == ["undone"]
 
 
+@pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py
 def test_kill_9_during_the_report_then_cleanup_rebuilds_it(
     tmp_path: Path, needs_netns: None
 ) -> None:
@@ -279,6 +281,7 @@ def test_kill_9_during_the_report_then_cleanup_rebuilds_it(
     assert "rebuilt after the run was killed at report" in (run_dir / "report.html").read_text()
 
 
+@pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py
 def test_cleanup_after_a_kill_9_leaves_a_live_run_untouched(
     tmp_path: Path, needs_netns: None
 ) -> None:

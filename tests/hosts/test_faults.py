@@ -299,6 +299,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py
 def test_cleanup_removes_what_a_killed_owner_left(tmp_path: Path, needs_root: None) -> None:
     path = write_hosts_file(tmp_path / "file", nginx=False)
     root = tmp_path / "hosts"
@@ -332,6 +333,7 @@ def test_cleanup_removes_what_a_killed_owner_left(tmp_path: Path, needs_root: No
         cleanup_dead(root)  # after a failure above: nothing of it left on the machine
 
 
+@pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py
 def test_llmchaos_cleanup_finishes_a_chaos_run_killed_during_a_partition(
     tmp_path: Path, needs_root: None
 ) -> None:

@@ -87,6 +87,7 @@ def test_the_catalogues_names_map_to_the_clusters(deployed: DeployedStack) -> No
         assert check_experiment(experiment, configuration, info, settings) == [], name
 
 
+@pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py
 def test_faults_go_through_the_cluster_and_a_dead_runs_are_undone_by_cleanup(
     deployed: DeployedStack, tmp_path: Path, stack_factory: StackFactory
 ) -> None:

@@ -74,6 +74,7 @@ def test_status_without_a_stack_says_how_to_start_one(tmp_path: Path, capsys) ->
     one_line_error(capsys, "no stack found", "llmchaos stack up")
 
 
+@pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py
 @pytest.mark.slow
 def test_up_status_down_from_the_command_line(tmp_path: Path) -> None:
     root = str(tmp_path)

@@ -405,6 +405,7 @@ def test_stack_down_leaves_nothing(stack_factory) -> None:  # type: ignore[no-un
     assert Topology.load(Path(topology.state_dir)).status == "stopped"
 
 
+@pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py
 def test_cleanup_after_kill_9_leaves_nothing(stack_factory) -> None:  # type: ignore[no-untyped-def]
     topology = stack_factory()
     for pid in find_stack_processes(topology.stack_id):
