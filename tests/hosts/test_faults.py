@@ -29,8 +29,9 @@ from llmchaos.stack import cgroups
 from llmchaos.stack.cleanup import find_stacks
 from llmchaos.stack.procs import free_port
 from llmchaos.targets.hosts import KIND, HostsSettings, HostsTarget, firewall
+from llmchaos.targets.hosts import state as state_module
 from llmchaos.targets.hosts.procs import group_members, listeners
-from llmchaos.targets.hosts.state import STATE_FILE, TargetState, cleanup_dead
+from llmchaos.targets.hosts.state import STATE_FILE, TargetState, cleanup_dead, new_target_id
 from tests.hosts.conftest import GPU_LOAD_S, write_hosts_file
 
 Opener = Callable[..., HostsTarget]
@@ -331,6 +332,38 @@ def test_cleanup_removes_what_a_killed_owner_left(tmp_path: Path, needs_root: No
         owner.kill()
         owner.wait()
         cleanup_dead(root)  # after a failure above: nothing of it left on the machine
+
+
+@pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py
+def test_cleanup_removes_an_empty_cgroup_whose_target_is_known_nowhere(
+    tmp_path: Path, needs_root: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed mid-throttle, its state folder deleted since (a test's tmp_path), leaves
+    an empty throttle cgroup that no state folder leads to: cleanup removes it once it is
+    past its grace, and leaves alone a young one and one that holds a process (a live run's
+    under another state root)."""
+    if (reason := cgroups.support("cpu")) is not None:
+        pytest.skip(f"no cpu cgroups here: {reason}")
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    target_ids = [new_target_id() for _ in sleepers]
+    names = [f"{cgroups.CGROUP_PREFIX}hosts-{t}-gpu-0" for t in target_ids]
+    try:
+        stray = cgroups.create("cpu", names[0], sleepers[0].pid)
+        live = cgroups.create("cpu", names[1], sleepers[1].pid)
+        (stray.parent / "cgroup.procs").write_text(str(sleepers[0].pid))  # its server gone
+        assert stray.exists and not stray.pids()
+        assert cleanup_dead(tmp_path / "no-targets") == []  # young: maybe a run starting
+        monkeypatch.setattr(state_module, "STRAY_CGROUP_GRACE_S", 0.0)
+        lines = cleanup_dead(tmp_path / "no-targets")
+        assert lines == [f"hosts target {target_ids[0]}: removed empty cgroup {stray.describe()}"]
+        assert not stray.exists and live.exists and live.pids() == [sleepers[1].pid]
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
+        for name in names:
+            if (group := cgroups.find("cpu", name)) is not None:
+                cgroups.remove(group)
 
 
 @pytest.mark.solo  # a machine-wide cleanup: see tests/conftest.py

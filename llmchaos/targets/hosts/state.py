@@ -14,6 +14,7 @@ tag, which names the owner (firewall.py).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -162,7 +163,8 @@ def cleanup_dead(
     root: Path, names: tuple[str, ...] = (), everything: bool = False, dry_run: bool = False
 ) -> list[str]:
     """Remove what hosts targets of dead owners left (or those named, or every one): their
-    processes and partition rules. One line per thing removed or left alone."""
+    processes, partition rules and throttle cgroups (empty ones of targets known nowhere
+    too). One line per thing removed or left alone."""
     lines = []
     known_ids = set()
     for state_file in sorted(Path(root).glob(f"*/{STATE_FILE}")):
@@ -190,4 +192,32 @@ def cleanup_dead(
             kill_all([pid])
             lines.append(f"hosts target {target_id}: killed stray process {pid}")
     lines += remove_rules(dead_only=not everything)
+    lines += _remove_stray_cgroups(known_ids)
+    return lines
+
+
+_CGROUP_NAME = re.compile(rf"{cgroups.CGROUP_PREFIX}hosts-(\d{{8}}-\d{{6}}-[0-9a-f]{{4}})-")
+"""A hosts target's cgroup: llmc-hosts-<target id (new_target_id)>-<part>."""
+STRAY_CGROUP_GRACE_S = 30.0
+"""A hosts cgroup of a target known nowhere is left alone this long after its creation: a run
+under another state root creates it a moment before it moves the process in."""
+
+
+def _remove_stray_cgroups(known_ids: set[str]) -> list[str]:
+    """Empty throttle cgroups of targets whose state folder is gone (a run killed, its folder
+    deleted): empty, they throttle nothing, and no state folder leads cleanup to them. One
+    that holds a process may be a live run's under another state root: left alone."""
+    lines = []
+    for group in cgroups.list_ours("hosts-"):
+        named = _CGROUP_NAME.match(group.path.name)
+        target_id = named.group(1) if named else "?"
+        if target_id in known_ids or group.pids():
+            continue
+        try:
+            age_s = time.time() - group.path.stat().st_mtime
+        except OSError:
+            continue  # gone meanwhile
+        if age_s >= STRAY_CGROUP_GRACE_S:
+            cgroups.remove(group)
+            lines.append(f"hosts target {target_id}: removed empty cgroup {group.describe()}")
     return lines
