@@ -4,6 +4,7 @@ experiment runner of the resilience suites and its Allure reporting, hypothesis 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -95,11 +96,12 @@ def _interrupt_once(signum: int, _frame: object) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """In xdist's controller (a run with -n, not --collect-only), pass interrupts on."""
-    if session.config.pluginmanager.getplugin("dsession") is not None:
-        install(_pass_interrupt_to_xdist_workers)
+    dsession = session.config.pluginmanager.getplugin("dsession")
+    if dsession is not None:
+        install(functools.partial(_pass_interrupt_to_xdist_workers, dsession))
 
 
-def _pass_interrupt_to_xdist_workers(signum: int, _frame: object) -> None:
+def _pass_interrupt_to_xdist_workers(dsession: Any, signum: int, _frame: object) -> None:
     """The xdist controller's first SIGINT or SIGTERM goes on to its workers (its children;
     it runs no test itself), and the session ends through them: each worker's test is
     interrupted as in a plain run, its fixtures stop what it started, and the workers report
@@ -108,6 +110,9 @@ def _pass_interrupt_to_xdist_workers(signum: int, _frame: object) -> None:
     down with a 10 s limit, then SIGKILL: a chaos run's teardown was cut short and its stack
     left behind (tests/test_harness.py)."""
     raise_on_interrupt()  # the second
+    # the session stops: a worker that ends interrupted is not replaced by one that would
+    # take up its tests again (xdist replaces a worker whose channel closed mid-test)
+    dsession.shouldstop = f"{signal.Signals(signum).name} received"
     me = str(os.getpid())
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and (stat_fields(proc.name) or ["", ""])[1] == me:

@@ -61,7 +61,18 @@ def test_an_interrupted_xdist_run_lets_its_tests_stop_what_they_started(
         )
     )
     controller = subprocess.Popen(
-        [sys.executable, "-m", "pytest", str(test_file), "-n", "1", "-q", "-p", "no:cacheprovider"],
+        # with `make test`'s flags
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(test_file),
+            "-n",
+            "1",
+            "--max-worker-restart=0",
+            "-qp",
+            "no:cacheprovider",
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -80,7 +91,11 @@ def test_an_interrupted_xdist_run_lets_its_tests_stop_what_they_started(
             os.killpg(controller.pid, signal.SIGINT)
         else:
             controller.send_signal(signal.SIGTERM)
-        output = controller.communicate(timeout=TEARDOWN_S + 60)[0]
+        try:
+            output = controller.communicate(timeout=TEARDOWN_S + 60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(controller.pid, signal.SIGKILL)
+            raise AssertionError(f"the run did not stop: {controller.communicate()[0]}") from None
         assert controller.returncode == 2, output  # interrupted
         assert not pid_alive(child_pid), f"the test's child {child_pid} outlived the run"
     finally:
