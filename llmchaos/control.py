@@ -13,7 +13,7 @@ Declare it once in the experiment:
 - after the steady-state hypothesis: if it was not met *before* the method, interrupt the run
   (Chaos Toolkit would skip the method and exit 0);
 - after the experiment (and in cleanup_control, whatever happened): undo every fault left in
-  the ledger, stop the load, write the report, stop the stack, print the summary.
+  the ledger, stop the load, write the report while the stack stops, print the summary.
 
 SIGINT and SIGTERM are turned into KeyboardInterrupt from the first hook on (Chaos Toolkit's
 own SIGTERM handler raises an exception that a running probe would swallow, and a `chaos run`
@@ -317,9 +317,9 @@ def _frame_drops_since_fault(run: ChaosRun) -> int | None:
 
 
 def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
-    """Undo, stop the load, report, stop the target: each step whatever became of the last.
-    The run is closed `finished`, or `faults-open` when an undo failed (llmchaos cleanup
-    tries those again), or `failed` when another step did."""
+    """Undo, stop the load, then report while the target stops: each step whatever became
+    of the last. The run is closed `finished`, or `faults-open` when an undo failed
+    (llmchaos cleanup tries those again), or `failed` when another step did."""
     if journal is not None:
         _step("saving the journal", lambda: run.save_journal(journal))
     run.enter_phase("undoing-faults")
@@ -329,6 +329,16 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
     ok_load, summary = _step("stopping the load", run.stop_load)
 
     _, recovery = _step("reading the target's recovery", run.target_recovery)
+
+    # The report needs nothing more from the target, and stopping a stack (tens of processes
+    # waited for, namespaces deleted) and drawing the chart each take seconds: both at once.
+    target_stopped: list[bool] = []
+
+    def stop_target() -> None:
+        target_stopped.append(_step("stopping the target", run.stop_target)[0])
+
+    stopper = threading.Thread(target=stop_target, name="llmchaos-stop-target")
+    stopper.start()
 
     def report() -> None:
         status = (journal or {}).get("status")
@@ -340,7 +350,8 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
     run.enter_phase("report")
     ok_report, _ = _step("writing the report", report)
     run.enter_phase("stopping-target")
-    ok_target, _ = _step("stopping the target", run.stop_target)
+    stopper.join()
+    ok_target = bool(target_stopped and target_stopped[0])
     run.phase = "ended"
     if run.ledger.open_faults():
         run.close("faults-open")

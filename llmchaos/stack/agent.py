@@ -7,7 +7,10 @@ of every worker, so actions can kill "the GPU process" and probes can count rest
 
     python -m llmchaos.stack.agent --settings agent.json
 
-Workers get PR_SET_PDEATHSIG=SIGKILL: when the agent itself is killed, its workers go too.
+Workers are forked from the agent, which has their code imported already: a node of the
+1,400-QPS fleet has 2-3 of them, and a new interpreter importing the worker's modules took 0.15
+CPU-s each, about 3 s of a 44-worker stack's start on 2 cores. They get PR_SET_PDEATHSIG=SIGKILL:
+when the agent itself is killed, its workers go too.
 
 With a replicas file (the embedded autoscaler's, like a Deployment's `spec.replicas`), a
 worker with an `ordinal` runs only while its ordinal is below its pool's replica count: the
@@ -26,13 +29,20 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
 
-from llmchaos.stack.procs import http_get_status, set_parent_death_signal, stop_pids
+from llmchaos.stack.procs import (
+    http_get_status,
+    set_parent_death_signal,
+    set_process_name,
+    stop_pids,
+)
 from llmchaos.stack.settings import load_settings
 from llmchaos.stack.topology import WorkerState, read_replicas
+from llmchaos.stack.worker import main as worker_main
 
 __all__ = ["AgentSettings", "AgentWorker", "main"]
 
@@ -74,10 +84,76 @@ class AgentSettings:
     """The stack's replicas file ({"gpu": N}); "" = every worker always runs."""
 
 
+class _ForkedWorker:
+    """A worker process forked from the agent, with the part of subprocess.Popen's interface
+    the agent uses (pid, poll, returncode, wait)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, name: str, argv: list[str], log_path: Path) -> _ForkedWorker:
+        """Fork, and run `llmchaos.stack.worker.main(argv)` in the child, named `name` in ps,
+        its output appended to `log_path`."""
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout.flush()  # or the child writes the agent's buffered lines again
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                set_parent_death_signal()
+                set_process_name(name)
+                for sig in (signal.SIGTERM, signal.SIGINT):  # the agent's: the worker sets its own
+                    signal.signal(sig, signal.SIG_DFL)
+                null_fd = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null_fd, 0)
+                os.dup2(log_fd, 1)
+                os.dup2(log_fd, 2)
+                os.close(null_fd)
+                os.close(log_fd)
+                logging.root.handlers.clear()  # the agent's format; the worker sets its own
+                code = worker_main(argv)
+            except SystemExit as exc:  # argparse's
+                code = exc.code if isinstance(exc.code, int) else 2
+            except BaseException:  # a child must never return into the agent's loop
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        os.close(log_fd)
+        return cls(pid)
+
+    def poll(self) -> int | None:
+        """The exit code (-N: killed by signal N) once the worker ended, else None."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (stop_pids): as Popen, say 0
+                self.returncode = 0
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        """The exit code; raises subprocess.TimeoutExpired after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+
 class _Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, _ForkedWorker] = {}
         self.states: dict[str, WorkerState] = {}
         self.restart_at: dict[str, float] = {}
         self.stopping = False
@@ -89,18 +165,11 @@ class _Agent:
     def start(self, worker: AgentWorker, *, after_death: bool = False) -> None:
         """Start `worker`: at boot with its first model load, later (a restart after a death,
         or a scale-out) with the full one; only a restart after a death counts."""
-        argv = [sys.executable, "-m", "llmchaos.stack.worker", "--settings", worker.settings_path]
+        argv = ["--settings", worker.settings_path]
         previous = self.states.get(worker.name)
         if previous is not None or self.booted:
             argv.append("--restart")
-        with Path(worker.log_path).open("ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                preexec_fn=set_parent_death_signal,
-            )
+        proc = _ForkedWorker.start(worker.name, argv, Path(worker.log_path))
         self.procs[worker.name] = proc
         restarts = (previous.restarts if previous else 0) + (1 if after_death else 0)
         self.states[worker.name] = WorkerState(

@@ -39,6 +39,7 @@ __all__ = [
     "port_in_use",
     "scan_stack_processes",
     "set_parent_death_signal",
+    "set_process_name",
     "settle_heap",
     "spawn",
     "stop_pids",
@@ -53,6 +54,7 @@ OWNER_ENV = "LLMCHAOS_STACK_OWNER"
 live run's stack from a dead one's even without the stack's state folder."""
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,6 +82,13 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def set_process_name(name: str) -> None:
+    """Name this process `name` (its first 15 bytes) in ps's COMM column, top and pgrep: a
+    process forked from another keeps its parent's command line."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 _GC_YOUNG_THRESHOLD = 10_000

@@ -256,12 +256,16 @@ def _start(
             latency_for_s=config.degradation_latency_for_s,
         ),
     )
-    gateways = []
+    gateways, waits = [], []
     for name, role in gateway_layout(config):
         settings = replace(variant.gateway_settings(base), name=name, port=free_port())
-        gateways.append(
-            start_gateway(settings, role, state_dir, stack_id, owner, config.ready_timeout_s)
+        gateway, wait = _spawn_gateway(
+            settings, role, state_dir, stack_id, owner, config.ready_timeout_s
         )
+        gateways.append(gateway)
+        waits.append(wait)
+    for wait in waits:
+        wait()
     say("gateways ready: " + ", ".join(f"{g.name} {g.url}" for g in gateways))
 
     port = config.port or free_port()
@@ -545,6 +549,21 @@ def start_gateway(
     timeout_s: float,
 ) -> GatewayInfo:
     """Start one gateway process from `settings` and wait for its /healthz."""
+    gateway, wait = _spawn_gateway(settings, role, state_dir, stack_id, owner, timeout_s)
+    wait()
+    return gateway
+
+
+def _spawn_gateway(
+    settings: GatewaySettings,
+    role: str,
+    state_dir: Path,
+    stack_id: str,
+    owner: Owner,
+    timeout_s: float,
+) -> tuple[GatewayInfo, Callable[[], None]]:
+    """Start one gateway process from `settings`; returns it and the wait for its /healthz
+    (a fleet's gateways start side by side: each takes a third of a second to come up)."""
     settings_path = write_settings(settings, state_dir / f"{settings.name}.json")
     log_path = state_dir / "logs" / f"{settings.name}.log"
     argv = [sys.executable, "-m", "llmchaos.stack.gateway", "--settings", str(settings_path)]
@@ -552,14 +571,18 @@ def start_gateway(
     env = {REDIS_PASSWORD_ENV: read_secrets(state_dir).redis_password}
     proc = spawn(argv, stack_id=stack_id, owner=owner, log_path=log_path, env=env)
     url = f"http://{settings.host}:{settings.port}"
-    wait_until(
-        settings.name,
-        lambda: http_get_status(f"{url}/healthz", 0.5) == 200,
-        timeout_s,
-        process=proc,
-        log_path=log_path,
-    )
-    return GatewayInfo(settings.name, role, url, proc.pid, str(settings_path), str(log_path))
+
+    def wait() -> None:
+        wait_until(
+            settings.name,
+            lambda: http_get_status(f"{url}/healthz", 0.5) == 200,
+            timeout_s,
+            process=proc,
+            log_path=log_path,
+        )
+
+    gateway = GatewayInfo(settings.name, role, url, proc.pid, str(settings_path), str(log_path))
+    return gateway, wait
 
 
 def restart_gateway(topology: Topology, name: str, timeout_s: float = 30.0) -> Topology:

@@ -287,7 +287,9 @@ def test_cleanup_after_a_kill_9_leaves_a_live_run_untouched(
 ) -> None:
     """Two runs at once under the same roots; one is killed with SIGKILL and cleaned up
     while the other is in its steady state. The other goes on and passes."""
-    live, runs = _start(tmp_path, name="live", pause_s=40)  # surely live at the cleanup
+    # surely live at the cleanup: the doomed run reaches its fault and is cleaned up in about
+    # 10 s (9 s for test_kill_9_then_cleanup_leaves_nothing's whole run)
+    live, runs = _start(tmp_path, name="live", pause_s=20)
     try:
         live_dir = _wait_for_phase(live, runs, tmp_path / "live.log", "warming-up")
         doomed, _ = _start(tmp_path, name="doomed")

@@ -127,8 +127,11 @@ def _interrupt_stack_up(
     def ignore_sigint() -> None:  # what a non-interactive shell's `cmd &` hands down
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+    # a signal before "workers ready" must land while the models load: make that slow; after
+    # it, a slow load only holds the test up
+    load_s = "30" if STACK_UP_PHASES.index(after) < STACK_UP_PHASES.index("workers ready") else "1"
     proc = subprocess.Popen(
-        [*argv, "--gpu-load-s", "30", "--state-root", str(state_root)],
+        [*argv, "--gpu-load-s", load_s, "--state-root", str(state_root)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
