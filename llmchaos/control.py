@@ -347,10 +347,12 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
         if journal is not None and journal.get("status") != status:
             run.save_journal(journal)  # the report set it failed: a FAIL verdict exits 1
 
-    run.enter_phase("report")
-    ok_report, _ = _step("writing the report", report)
-    run.enter_phase("stopping-target")
-    stopper.join()
+    try:
+        run.enter_phase("report")
+        ok_report, _ = _step("writing the report", report)
+        run.enter_phase("stopping-target")
+    finally:  # the finish must not return (restore the signals) while the stack stops
+        stopper.join()
     ok_target = bool(target_stopped and target_stopped[0])
     run.phase = "ended"
     if run.ledger.open_faults():

@@ -42,7 +42,6 @@ from llmchaos.stack.procs import (
 )
 from llmchaos.stack.settings import load_settings
 from llmchaos.stack.topology import WorkerState, read_replicas
-from llmchaos.stack.worker import main as worker_main
 
 __all__ = ["AgentSettings", "AgentWorker", "main"]
 
@@ -84,6 +83,9 @@ class AgentSettings:
     """The stack's replicas file ({"gpu": N}); "" = every worker always runs."""
 
 
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
 class _ForkedWorker:
     """A worker process forked from the agent, with the part of subprocess.Popen's interface
     the agent uses (pid, poll, returncode, wait)."""
@@ -96,17 +98,31 @@ class _ForkedWorker:
     def start(cls, name: str, argv: list[str], log_path: Path) -> _ForkedWorker:
         """Fork, and run `llmchaos.stack.worker.main(argv)` in the child, named `name` in ps,
         its output appended to `log_path`."""
+        from llmchaos.stack.worker import main as worker_main  # here: only agents need it
+
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         sys.stdout.flush()  # or the child writes the agent's buffered lines again
         sys.stderr.flush()
-        pid = os.fork()
+        agent_pid = os.getpid()
+        # held until the child has the default handlers: a SIGTERM meant for the worker must
+        # not land in the agent's handler, copied into the child
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.close(log_fd)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+            raise
         if pid == 0:
             code = 1
             try:
                 set_parent_death_signal()
+                if os.getppid() != agent_pid:  # the agent died before the line above
+                    os._exit(1)
                 set_process_name(name)
-                for sig in (signal.SIGTERM, signal.SIGINT):  # the agent's: the worker sets its own
+                for sig in _STOP_SIGNALS:  # the agent's: the worker sets its own
                     signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
                 null_fd = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(null_fd, 0)
                 os.dup2(log_fd, 1)
@@ -115,8 +131,11 @@ class _ForkedWorker:
                 os.close(log_fd)
                 logging.root.handlers.clear()  # the agent's format; the worker sets its own
                 code = worker_main(argv)
-            except SystemExit as exc:  # argparse's
-                code = exc.code if isinstance(exc.code, int) else 2
+            except SystemExit as exc:  # as the interpreter would exit
+                if exc.code is None or isinstance(exc.code, int):
+                    code = exc.code or 0
+                else:
+                    print(exc.code, file=sys.stderr)
             except BaseException:  # a child must never return into the agent's loop
                 traceback.print_exc()
             finally:
@@ -124,6 +143,7 @@ class _ForkedWorker:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 os._exit(code)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         os.close(log_fd)
         return cls(pid)
 
@@ -154,6 +174,8 @@ class _Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
         self.procs: dict[str, _ForkedWorker] = {}
+        self.unreaped: list[_ForkedWorker] = []
+        """Scaled-in workers still on their way out."""
         self.states: dict[str, WorkerState] = {}
         self.restart_at: dict[str, float] = {}
         self.stopping = False
@@ -212,8 +234,10 @@ class _Agent:
         SIGTERM: it drains (llmchaos.stack.worker) within the 2 s before the SIGKILL."""
         proc = self.procs.pop(worker.name)
         stop_pids([proc.pid], grace_s=2.0)
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        try:
             proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            self.unreaped.append(proc)  # reaped by a later step, not left a zombie
         self.restart_at.pop(worker.name, None)
         self.states[worker.name] = replace(self.states[worker.name], running=False)
         log.info("scaled in %s (pid %d)", worker.name, proc.pid)
@@ -223,6 +247,7 @@ class _Agent:
         replica count says, note when started ones are ready; True when the state changed."""
         changed = False
         now = time.monotonic()
+        self.unreaped = [proc for proc in self.unreaped if proc.poll() is None]
         for worker in self.settings.workers:
             state = self.states.get(worker.name)
             wanted = self.wanted(worker)

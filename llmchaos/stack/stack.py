@@ -258,7 +258,11 @@ def _start(
     )
     gateways, waits = [], []
     for name, role in gateway_layout(config):
-        settings = replace(variant.gateway_settings(base), name=name, port=free_port())
+        # the ports are picked before any gateway binds one: never the same twice
+        port = free_port()
+        while port in {int(g.url.rsplit(":", 1)[1]) for g in gateways}:
+            port = free_port()
+        settings = replace(variant.gateway_settings(base), name=name, port=port)
         gateway, wait = _spawn_gateway(
             settings, role, state_dir, stack_id, owner, config.ready_timeout_s
         )
