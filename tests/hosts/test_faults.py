@@ -340,8 +340,8 @@ def test_cleanup_removes_an_empty_cgroup_whose_target_is_known_nowhere(
 ) -> None:
     """A run killed mid-throttle, its state folder deleted since (a test's tmp_path), leaves
     an empty throttle cgroup that no state folder leads to: cleanup removes it once it is
-    past its grace, and leaves alone a young one and one that holds a process (a live run's
-    under another state root)."""
+    past its grace (a dry run only names it), and leaves alone a young one and one that
+    holds a process (a live run's under another state root)."""
     if (reason := cgroups.support("cpu")) is not None:
         pytest.skip(f"no cpu cgroups here: {reason}")
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
@@ -354,6 +354,11 @@ def test_cleanup_removes_an_empty_cgroup_whose_target_is_known_nowhere(
         assert stray.exists and not stray.pids()
         assert cleanup_dead(tmp_path / "no-targets") == []  # young: maybe a run starting
         monkeypatch.setattr(state_module, "STRAY_CGROUP_GRACE_S", 0.0)
+        would = cleanup_dead(tmp_path / "no-targets", dry_run=True)
+        assert would == [
+            f"hosts target {target_ids[0]}: would remove empty cgroup {stray.describe()}"
+        ]
+        assert stray.exists
         lines = cleanup_dead(tmp_path / "no-targets")
         assert lines == [f"hosts target {target_ids[0]}: removed empty cgroup {stray.describe()}"]
         assert not stray.exists and live.exists and live.pids() == [sleepers[1].pid]

@@ -143,9 +143,12 @@ def remove_target(state: TargetState) -> list[str]:
     return lines
 
 
-def remove_rules(target_id: str | None = None, dead_only: bool = False) -> list[str]:
+def remove_rules(
+    target_id: str | None = None, dead_only: bool = False, dry_run: bool = False
+) -> list[str]:
     """Remove partition rules of `target_id` (None: of any target whose owner is gone, when
-    `dead_only`), in the host's table and every network namespace."""
+    `dead_only`), in the host's table and every network namespace; `dry_run`: only say
+    which."""
     lines = []
     for netns in (None, *firewall.namespaces()):
         for rule in firewall.tagged_rules(netns):
@@ -153,9 +156,11 @@ def remove_rules(target_id: str | None = None, dead_only: bool = False) -> list[
                 continue
             if dead_only and rule.owner is not None and rule.owner.alive():
                 continue
-            firewall.delete_rule(rule)
+            if not dry_run:
+                firewall.delete_rule(rule)
             where = f" in netns {netns}" if netns else ""
-            lines.append(f"hosts target {rule.target_id}: removed rule {rule.comment}{where}")
+            done = "would remove" if dry_run else "removed"
+            lines.append(f"hosts target {rule.target_id}: {done} rule {rule.comment}{where}")
     return lines
 
 
@@ -183,16 +188,16 @@ def cleanup_dead(
             lines.append(f"would stop hosts target {state.target_id} ({state.state_dir})")
             continue
         lines += remove_target(state)
-    if dry_run:
-        return lines
     owners = find_marked(OWNER_ENV)
     for pid, target_id in find_marked(HOSTS_ENV).items():
         owner = Owner.from_marker(owners.get(pid, ""))
         if target_id not in known_ids and (everything or owner is None or not owner.alive()):
-            kill_all([pid])
-            lines.append(f"hosts target {target_id}: killed stray process {pid}")
-    lines += remove_rules(dead_only=not everything)
-    lines += _remove_stray_cgroups(known_ids)
+            if not dry_run:
+                kill_all([pid])
+            done = "would kill" if dry_run else "killed"
+            lines.append(f"hosts target {target_id}: {done} stray process {pid}")
+    lines += remove_rules(dead_only=not everything, dry_run=dry_run)
+    lines += _remove_stray_cgroups(known_ids, dry_run)
     return lines
 
 
@@ -203,10 +208,11 @@ STRAY_CGROUP_GRACE_S = 30.0
 under another state root creates it a moment before it moves the process in."""
 
 
-def _remove_stray_cgroups(known_ids: set[str]) -> list[str]:
+def _remove_stray_cgroups(known_ids: set[str], dry_run: bool = False) -> list[str]:
     """Empty throttle cgroups of targets whose state folder is gone (a run killed, its folder
     deleted): empty, they throttle nothing, and no state folder leads cleanup to them. One
-    that holds a process may be a live run's under another state root: left alone."""
+    that holds a process may be a live run's under another state root: left alone.
+    `dry_run`: only say which."""
     lines = []
     for group in cgroups.list_ours("hosts-"):
         named = _CGROUP_NAME.match(group.path.name)
@@ -218,6 +224,8 @@ def _remove_stray_cgroups(known_ids: set[str]) -> list[str]:
         except OSError:
             continue  # gone meanwhile
         if age_s >= STRAY_CGROUP_GRACE_S:
-            cgroups.remove(group)
-            lines.append(f"hosts target {target_id}: removed empty cgroup {group.describe()}")
+            if not dry_run:
+                cgroups.remove(group)
+            done = "would remove" if dry_run else "removed"
+            lines.append(f"hosts target {target_id}: {done} empty cgroup {group.describe()}")
     return lines
