@@ -92,8 +92,8 @@ def test_capacity_finds_the_knee_of_a_500_qps_target(fake_server, tmp_path, caps
     assert result["knee_reached"], result
     # 400/s is served in full; 550/s saturates the 500/s target (goodput +25%, still growing:
     # not the knee); 700/s adds no goodput while the queue grows: the knee. On a loaded
-    # machine (the tests on 6 xdist workers) 700/s once showed 534/s answered, +7% over 550/s's as the
-    # queue drained into it, and the knee came one step later, at 850/s (500/s answered).
+    # machine (the tests on 6 xdist workers) 700/s once showed 534/s answered, +7% over
+    # 550/s's as the queue drained into it, and the knee came one step later, at 850/s.
     offered = [s["offered_qps"] for s in result["steps"]]
     assert offered in ([100, 250, 400, 550, 700], [100, 250, 400, 550, 700, 850]), offered
     assert 450 <= result["sustainable_qps"] <= 560
