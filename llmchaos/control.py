@@ -32,6 +32,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import Any
 
@@ -330,16 +331,6 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
 
     _, recovery = _step("reading the target's recovery", run.target_recovery)
 
-    # The report needs nothing more from the target, and stopping a stack (tens of processes
-    # waited for, namespaces deleted) and drawing the chart each take seconds: both at once.
-    target_stopped: list[bool] = []
-
-    def stop_target() -> None:
-        target_stopped.append(_step("stopping the target", run.stop_target)[0])
-
-    stopper = threading.Thread(target=stop_target, name="llmchaos-stop-target")
-    stopper.start()
-
     def report() -> None:
         status = (journal or {}).get("status")
         result = write_run_report(run.facts(summary, frame_drops, recovery), journal)
@@ -347,13 +338,16 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
         if journal is not None and journal.get("status") != status:
             run.save_journal(journal)  # the report set it failed: a FAIL verdict exits 1
 
-    try:
+    # The report needs nothing more from the target, and stopping a stack (tens of processes
+    # waited for, namespaces deleted) and drawing the chart each take seconds: both at once.
+    # Leaving the block waits for the stop, whatever happened: the finish must not return
+    # (and restore the signals) while the stack stops.
+    with ThreadPoolExecutor(1, thread_name_prefix="llmchaos-stop-target") as pool:
+        stopping = pool.submit(_step, "stopping the target", run.stop_target)
         run.enter_phase("report")
         ok_report, _ = _step("writing the report", report)
         run.enter_phase("stopping-target")
-    finally:  # the finish must not return (restore the signals) while the stack stops
-        stopper.join()
-    ok_target = bool(target_stopped and target_stopped[0])
+    ok_target, _ = stopping.result()
     run.phase = "ended"
     if run.ledger.open_faults():
         run.close("faults-open")

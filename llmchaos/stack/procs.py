@@ -80,15 +80,17 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
 
     Used in node agents' children, so a SIGKILLed agent takes its workers with it.
     """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    _prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def set_process_name(name: str) -> None:
     """Name this process `name` (its first 15 bytes) in ps's COMM column, top and pgrep: a
     process forked from another keeps its parent's command line."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    _prctl(_PR_SET_NAME, name.encode()[:15])
+
+
+def _prctl(option: int, arg: int | bytes) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
 
 
 _GC_YOUNG_THRESHOLD = 10_000

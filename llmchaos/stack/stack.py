@@ -256,14 +256,15 @@ def _start(
             latency_for_s=config.degradation_latency_for_s,
         ),
     )
-    gateways, waits = [], []
+    gateways, waits, ports = [], [], set()
     for name, role in gateway_layout(config):
         # the ports are picked before any gateway binds one: never the same twice
         port = free_port()
-        while port in {int(g.url.rsplit(":", 1)[1]) for g in gateways}:
+        while port in ports:
             port = free_port()
+        ports.add(port)
         settings = replace(variant.gateway_settings(base), name=name, port=port)
-        gateway, wait = _spawn_gateway(
+        gateway, wait = start_gateway(
             settings, role, state_dir, stack_id, owner, config.ready_timeout_s
         )
         gateways.append(gateway)
@@ -551,23 +552,10 @@ def start_gateway(
     stack_id: str,
     owner: Owner,
     timeout_s: float,
-) -> GatewayInfo:
-    """Start one gateway process from `settings` and wait for its /healthz."""
-    gateway, wait = _spawn_gateway(settings, role, state_dir, stack_id, owner, timeout_s)
-    wait()
-    return gateway
-
-
-def _spawn_gateway(
-    settings: GatewaySettings,
-    role: str,
-    state_dir: Path,
-    stack_id: str,
-    owner: Owner,
-    timeout_s: float,
 ) -> tuple[GatewayInfo, Callable[[], None]]:
-    """Start one gateway process from `settings`; returns it and the wait for its /healthz
-    (a fleet's gateways start side by side: each takes a third of a second to come up)."""
+    """Start one gateway process from `settings`; returns it and the wait for its /healthz,
+    to call before using it (a fleet's gateways start side by side: each takes a third of a
+    second to come up)."""
     settings_path = write_settings(settings, state_dir / f"{settings.name}.json")
     log_path = state_dir / "logs" / f"{settings.name}.log"
     argv = [sys.executable, "-m", "llmchaos.stack.gateway", "--settings", str(settings_path)]
@@ -603,9 +591,10 @@ def restart_gateway(topology: Topology, name: str, timeout_s: float = 30.0) -> T
     settings = load_settings(GatewaySettings, Path(gateway.settings_path))
     state_dir = Path(topology.state_dir)
     owner = read_owner(state_dir) or Owner.this_process("user")
-    restarted = start_gateway(
+    restarted, wait = start_gateway(
         settings, gateway.role, state_dir, topology.stack_id, owner, timeout_s
     )
+    wait()
     gateways = list(topology.gateways)
     gateways[index] = restarted
     updated = replace(topology, gateways=tuple(gateways))
