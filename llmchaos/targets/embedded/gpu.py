@@ -9,12 +9,10 @@ its health check says 200; steps that take `slowdown` times longer.
 
 from __future__ import annotations
 
-import http.client
 import json
 import statistics
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,26 +82,32 @@ class GpuFaults:
                 raise
 
     # -- checks --------------------------------------------------------------------------
-    def _completion(self, worker: str, max_tokens: int) -> tuple[int, str, float]:
-        """(status, error code or "", seconds) of one plain completion sent to the worker."""
-        url = self.topology.worker(worker).url + "/v1/completions"
-        body = json.dumps({"prompt": "are you there", "max_tokens": max_tokens}).encode()
-        request = urllib.request.Request(
-            url, data=body, method="POST", headers={"Content-Type": "application/json"}
+    def _completion_request(self, worker: str, body: dict[str, Any]) -> urllib.request.Request:
+        """A completion request straight to the worker, as a client would send it."""
+        return urllib.request.Request(
+            self.topology.worker(worker).url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
         )
-        start = time.monotonic()
+
+    def _completion_status(self, worker: str) -> tuple[int, str]:
+        """(status, error code or "") of one plain completion sent to the worker."""
+        request = self._completion_request(worker, {"prompt": "are you there", "max_tokens": 2})
         try:
             with urllib.request.urlopen(request, timeout=_PROBE_TIMEOUT_S) as response:
                 response.read()
-                return response.status, "", time.monotonic() - start
+                return response.status, ""
         except urllib.error.HTTPError as exc:
             try:
                 code = str(json.loads(exc.read())["error"].get("code") or "")
             except (ValueError, KeyError, TypeError, AttributeError):
                 code = ""
-            return exc.code, code, time.monotonic() - start
+            return exc.code, code
         except OSError as exc:
-            raise StackError(f"{worker}: check request to {url} failed: {exc}") from None
+            raise StackError(
+                f"{worker}: check request to {request.full_url} failed: {exc}"
+            ) from None
 
     def _decode_step_ms(self, worker: str) -> float:
         """Milliseconds per decode step of one streamed request sent straight to the worker.
@@ -112,38 +116,27 @@ class GpuFaults:
         checker's process, descheduled under the load, reads a few chunks late, and those
         move a few slopes, not the median. The time to the first chunk (a wait for a batch
         slot, the prefill) is not in it."""
-        target = urllib.parse.urlsplit(self.topology.worker(worker).url)
         body = {
             "prompt": "are you there",
             "max_tokens": _STEP_PROBE_TOKENS,
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
-        connection = http.client.HTTPConnection(
-            target.hostname, target.port, timeout=_PROBE_TIMEOUT_S
-        )
+        request = self._completion_request(worker, body)
         points: list[tuple[int, float]] = []  # (tokens so far, seconds) per chunk
         try:
-            connection.request(
-                "POST",
-                "/v1/completions",
-                json.dumps(body),
-                {"Content-Type": "application/json"},
-            )
-            response = connection.getresponse()
-            if response.status != 200:
-                raise _CheckAnswered(response.status)
-            for line in response:
-                now = time.monotonic()
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices"):  # the last, usage-only chunk has none
-                    points.append((int(chunk["usage"]["completion_tokens"]), now))
+            with urllib.request.urlopen(request, timeout=_PROBE_TIMEOUT_S) as response:
+                for line in response:
+                    now = time.monotonic()
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices"):  # the last, usage-only chunk has none
+                        points.append((int(chunk["usage"]["completion_tokens"]), now))
+        except urllib.error.HTTPError as exc:
+            raise _CheckAnswered(exc.code) from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise StackError(f"{worker}: the check stream from {target.geturl()}: {exc}") from None
-        finally:
-            connection.close()
+            raise StackError(f"{worker}: the check stream from {request.full_url}: {exc}") from None
         slopes = [
             (t2 - t1) / (n2 - n1)
             for i, (n1, t1) in enumerate(points)
@@ -158,7 +151,7 @@ class GpuFaults:
         """Health 200 and a request straight to the worker answered 500."""
         worker = str(details["worker"])
         health = http_get_status(self.topology.worker(worker).url + "/health", 2.0)
-        status, code, _ = self._completion(worker, 2)
+        status, code = self._completion_status(worker)
         evidence = (
             f"{worker}: /health {health}; a completion sent straight to it: {status}"
             f"{f' {code}' if code else ''}"
@@ -169,8 +162,8 @@ class GpuFaults:
         """The decode step timed straight at the worker, against its profile's.
 
         A slowed engine never steps faster than its profile's base times the slowdown, so
-        the check allows the checker's own timing 20% below that and should not miss a fault in
-        effect (12 of 12 at 44 ms or more on a 1,400-QPS fleet, asked 44). It can take a
+        the check allows the checker's own timing 20% below that and should not miss a fault
+        in effect (12 of 12 at 44 ms or more on a 1,400-QPS fleet, asked 44). It can take a
         fault that is not for one that is: an unslowed engine of a loaded fleet prefills in
         most steps, and the same checks timed one at 32-39 ms. No other engine is a fair
         yardstick (the routing gives the slowed one fewer arrivals, so fewer of its steps
