@@ -661,13 +661,16 @@ def registry_has_leader(run: ChaosRun) -> bool:
     return True
 
 
-def worker_share_after_fault(run: ChaosRun, worker: str, window_s: float = 0.0) -> float:
+def worker_share_after_fault(
+    run: ChaosRun, worker: str, window_s: float = 0.0, of_fair_share: bool = False
+) -> float:
     """Share of the requests the GPU workers took over the next `window_s` seconds (the run's
     window by default) that `worker` took: did routing shift load away from it? From the
     engines' own metrics: finished (vllm:request_success) plus in the engine (running and
     waiting), whose difference over the window counts arrivals even when an engine falls
-    behind. 0 before any fault (nothing to judge yet), so it can sit in the steady-state
-    hypothesis."""
+    behind. `of_fair_share`: as a multiple of 1/N, N the target's GPU workers (1: as much as
+    any, 0: none), which means the same at any fleet size. 0 before any fault (nothing to
+    judge yet), so it can sit in the steady-state hypothesis."""
     window_s = as_number("window_s", window_s) or run.settings.window_s
     if window_s < 0:
         raise InvalidInput(f"window_s: expected seconds >= 0, got {window_s}")
@@ -688,10 +691,11 @@ def worker_share_after_fault(run: ChaosRun, worker: str, window_s: float = 0.0) 
     total = sum(max(0.0, n) for n in done.values())
     share = max(0.0, done.get(name, 0.0)) / total if total else 0.0
     log.info(
-        "llmchaos: %s finished %.0f of %.0f GPU requests in %g s",
+        "llmchaos: %s finished %.0f of %.0f requests of %d GPU workers in %g s",
         name,
         done.get(name, 0.0),
         total,
+        len(gpus),
         window_s,
     )
-    return round(share, 4)
+    return round(share * len(gpus) if of_fair_share else share, 4)

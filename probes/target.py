@@ -131,9 +131,12 @@ def registry_has_leader() -> bool:
     return measure.registry_has_leader(current_run())
 
 
-def worker_share_after_fault(worker: str, window_s: float = 0.0) -> float:
+def worker_share_after_fault(
+    worker: str, window_s: float = 0.0, of_fair_share: bool = False
+) -> float:
     """Share of the requests the GPU workers' engines took over the next `window_s` seconds
     that `worker` took (finished plus in the engine, from vLLM's metrics): did routing shift
-    load away from a slow worker? 0 before any fault, so it can sit in the steady-state
-    hypothesis."""
-    return measure.worker_share_after_fault(current_run(), worker, window_s)
+    load away from a slow or failing worker? `of_fair_share`: as a multiple of 1/N, N the
+    target's GPU workers (1: as much as any), the same at any fleet size. 0 before any fault,
+    so it can sit in the steady-state hypothesis."""
+    return measure.worker_share_after_fault(current_run(), worker, window_s, of_fair_share)
