@@ -11,6 +11,9 @@ Vocabulary (DESIGN.md):
   turn out to be: every one of them will be answered (they all count in the P99, at some
   latency >= 0) or the window never settles. Live judging needs this to see a miss as soon as
   it is sure, not only once the last request of a stalled window timed out;
+- a window *certainly meets* the SLO when it will meet it even if every unanswered request
+  fails, slower than any answer: the few slowest requests of a window at thousands of QPS
+  need not be waited for (they would hold the verdict up by their timeout);
 - detection: the end of the first window after t0 that misses the SLO;
 - recovered at t1: the service holds the SLO from t1 on, for `stable_for_s`: the first run of
   `stable_for_s` consecutive windows (one ending at each second) that all meet the SLO, and t1
@@ -142,6 +145,8 @@ class WindowVerdict:
     error_rate: float
     settled: bool
     meets_slo: bool
+    """Meets the SLO whatever its unanswered requests bring (settled or not; module
+    docstring)."""
     certain_miss: bool
     """Misses the SLO whatever its unanswered requests bring (module docstring)."""
 
@@ -191,7 +196,13 @@ def rolling_windows(
         if settled:
             certain_miss = not meets
         elif reported_in_full and unanswered:
-            # the best the unanswered can do: all answered, at once and without error
+            # the worst the unanswered can do: all fail, slower than any answer
+            worst = LogHistogram.merged((latency,))
+            worst.add(2 * slo.p99_ms if math.isfinite(slo.p99_ms) else 0.0, unanswered)
+            worst_p99 = worst.quantile(0.99) or 0.0
+            worst_error_rate = (failures + unanswered) / (answered + dropped + unanswered)
+            meets = answered > 0 and worst_p99 <= slo.p99_ms and worst_error_rate <= slo.error_rate
+            # the best they can do: all answered, at once and without error
             latency.add(0.0, unanswered)
             floor_p99 = latency.quantile(0.99) or 0.0
             floor_error_rate = failures / (answered + dropped + unanswered)
@@ -226,7 +237,7 @@ class Recovery:
     detected_at_ts: float | None
     """End of the first window after the fault that missed the SLO; None if none did."""
     judged_until_ts: float | None
-    """End of the last window judged (settled, or a certain miss)."""
+    """End of the last window judged (settled, or certain to meet or to miss)."""
     earliest_recovery_s: float | None
     """The soonest recovery time the records still allow (= recovery_time_s once recovered):
     a run of good windows can only start after the last judged miss. None with no windows."""
@@ -255,7 +266,7 @@ def recovery(
     judged_until: float | None = None
     judged = 0
     for index, window in enumerate(windows):
-        if not (window.settled or window.certain_miss):
+        if not (window.settled or window.meets_slo or window.certain_miss):
             break
         judged, judged_until = index + 1, window.end_ts
         if not window.meets_slo:

@@ -58,7 +58,8 @@ __all__ = [
 
 log = logging.getLogger("chaostoolkit")
 
-_POLL_S = 1.0
+_POLL_S = 0.25
+"""How often the waiting probes read the load's seconds: a verdict comes a poll late at most."""
 
 
 class NotRecovered(LLMChaosError):

@@ -160,6 +160,41 @@ def test_a_window_misses_for_certain_before_it_settles(
     assert not late.certain_miss
 
 
+@pytest.mark.parametrize(
+    ("answered", "expected"),
+    [
+        # 5 of 1,000 in flight: all five failing is 0.5%, and the P99's rank is below them
+        ({"ok": 995, "unanswered": 5}, True),
+        # 20 in flight: all failing would be 2%
+        ({"ok": 980, "unanswered": 20}, False),
+        # 5 in flight beside 6 failures: 1.1% if they fail too
+        ({"ok": 989, "failed": 6, "unanswered": 5}, False),
+        # answers already too slow: not a meet at any rate
+        ({"ok": 995, "latency_ms": 5000.0, "unanswered": 5}, False),
+    ],
+)
+def test_a_window_meets_for_certain_before_it_settles(
+    answered: dict[str, Any], expected: bool
+) -> None:
+    records = [*timeline(["g"] * 5), second(T0 + 5, **answered)]
+    window = rolling_windows(records, SLO, 1, now_ts=T0 + 9)[-1]
+    assert not window.settled and window.meets_slo is expected
+    assert not (window.meets_slo and window.certain_miss)
+    # a second that other workers may still add to is never judged
+    late = rolling_windows(records, SLO, 1, now_ts=T0 + 7)[-1]
+    assert not late.meets_slo
+
+
+def test_a_recovery_is_confirmed_without_waiting_for_the_slowest_requests() -> None:
+    outage = timeline(["g"] * 10 + ["e"] * 3)
+    tail = [second(T0 + 13 + i, ok=995, unanswered=5) for i in range(12)]
+    result = recovery(outage + tail, T0 + 10.0, SLO, window_s=1, stable_for_s=10, now_ts=T0 + 27)
+    assert result.recovered and result.recovery_time_s == 3.0
+    stalled = [second(T0 + 13 + i, ok=900, unanswered=100) for i in range(12)]
+    result = recovery(outage + stalled, T0 + 10.0, SLO, window_s=1, stable_for_s=10, now_ts=T0 + 27)
+    assert not result.recovered and result.judged_until_ts == T0 + 13
+
+
 def test_a_certain_miss_is_judged_and_moves_the_earliest_recovery() -> None:
     outage = timeline(["g"] * 10 + ["e"] * 8)
     sure = [second(T0 + 18 + i, ok=40, failed=10, unanswered=20) for i in range(4)]
