@@ -92,6 +92,9 @@ class SecondRecord:
     """P99 of the streams' "ttft_ms", "itl_ms", "tpot_ms" in this second (for the report)."""
     tenant_latency: dict[str, LogHistogram] = field(default_factory=dict)
     """Each tenant's latencies (end to end, answered requests) in this second."""
+    scheduled_in_full: bool | None = None
+    """Live data: whether every load worker has reported its share of this second (None: not
+    said, as in a timeline file)."""
 
     @property
     def answered(self) -> int:
@@ -117,6 +120,7 @@ class SecondRecord:
             tenant_latency={
                 str(t): LogHistogram.from_json(h) for t, h in line.get("tenant_hist", {}).items()
             },
+            scheduled_in_full=line.get("scheduled_in_full"),
         )
 
 
@@ -169,8 +173,9 @@ def rolling_windows(
 ) -> list[WindowVerdict]:
     """One verdict per second: the window of `window_s` seconds ending with it.
 
-    With `now_ts` (live data), seconds that ended less than 2 s before it count as unsettled,
-    since reports of other load workers may still add requests to them.
+    With `now_ts` (live data), a second counts as unsettled until every load worker has
+    reported its share of it (`scheduled_in_full`; a record that does not say: until 2 s after
+    its end), since their reports may still add requests to it.
     """
     seconds = _dense(records)
     width = max(1, round(window_s))
@@ -184,7 +189,11 @@ def rolling_windows(
         error_rate = failures / (answered + dropped) if answered + dropped else 0.0
         latency = LogHistogram.merged(r.latency for r in part)
         p99 = latency.quantile(0.99)
-        reported_in_full = now_ts is None or last.ts + 1 <= now_ts - 2.0
+        reported_in_full = (
+            now_ts is None
+            or last.scheduled_in_full
+            or (last.scheduled_in_full is None and last.ts + 1 <= now_ts - 2.0)
+        )
         settled = unanswered == 0 and reported_in_full
         meets = (
             settled

@@ -96,6 +96,7 @@ class Aggregate:
         self._workers[worker_id] = {
             "in_flight": report["in_flight"],
             "complete_before_s": report["complete_before_s"],
+            "scheduled_before_s": report["scheduled_before_s"],
             "final": report["final"],
             "seen": time.monotonic(),
             "at_s": self.now_s(),
@@ -308,6 +309,19 @@ class Aggregate:
         upto = min(horizons) if horizons else max(self.seconds, default=-1) + 1
         return max(upto, self._written_upto)
 
+    def _scheduled_upto_s(self) -> float:
+        """Schedule offset before which every arrival of every share is in the reports: a
+        second ending there has all its requests counted (answered or not). A silent worker
+        still holds it back (its reports may yet come); a lost one's share counts as replayed."""
+        horizons = [
+            math.inf if w["scheduled_before_s"] is None else float(w["scheduled_before_s"])
+            for w in self._workers.values()
+            if not w["lost"]
+        ]
+        horizons += self._lost_horizons.values()
+        upto = min(horizons) if horizons else 0.0
+        return max(upto, float(self._written_upto))
+
     def line(self, sec: int, stats: SecondStats) -> dict[str, Any]:
         """The record of scheduled second `sec`: one timeline line, one item of /seconds.
 
@@ -337,15 +351,21 @@ class Aggregate:
     def seconds_lines(self, from_s: float, to_s: float) -> list[dict[str, Any]]:
         """Records of the seconds starting in [from_s, to_s), final or not (live data), by t.
 
-        Each is `line()` plus "final": true once no live worker can change it any more.
+        Each is `line()` plus "final": true once no live worker can change it any more, and
+        "scheduled_in_full": true once every request scheduled in it is counted (answered or
+        not), so a reader can judge it before it is final.
         Seconds in which nothing was scheduled have no record, as in the timeline. The bounds
         are compared 1 ms early: a line's "ts" is rounded to 1 ms, and a reader passing it back
         as since_ts (or until_ts) must get that line (or not) whichever way it was rounded.
         """
-        upto = self._final_upto()
+        upto, scheduled_upto = self._final_upto(), self._scheduled_upto_s()
         lo, hi = from_s - _TS_SLACK_S, to_s - _TS_SLACK_S
         return [
-            {**self.line(sec, self.seconds[sec]), "final": sec < upto}
+            {
+                **self.line(sec, self.seconds[sec]),
+                "final": sec < upto,
+                "scheduled_in_full": sec + 1 <= scheduled_upto,
+            }
             for sec in sorted(self.seconds)
             if lo <= sec < hi
         ]

@@ -321,8 +321,8 @@ class LoadRun:
     def seconds(self, since_ts: float, until_ts: float | None = None) -> list[dict[str, Any]]:
         """Records of the scheduled seconds starting in [since_ts, until_ts or now) (epoch s),
         final or not, by time: each the shape of a timeline line ("t", "ts", counts, "failed",
-        "modes", "tenants", "hist", quantiles, "unanswered") plus "final". Raises LoadError
-        before the start."""
+        "modes", "tenants", "hist", quantiles, "unanswered") plus "final" and
+        "scheduled_in_full". Raises LoadError before the start."""
         query = f"since_ts={since_ts}" + (f"&until_ts={until_ts}" if until_ts is not None else "")
         return self._call("GET", f"/seconds?{query}")["seconds"]
 

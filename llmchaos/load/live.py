@@ -19,7 +19,8 @@ process.py serves it with gevent's WSGI server inside the Locust master.
 scheduled second, the same object as a line of the timeline file ("t", "ts", "scheduled",
 "dropped", "lost_worker", "ok", "failed" by class, "modes", "tenants", "hist" with the
 serialized histograms, "unanswered", and "latency_ms"/"ttft_ms"/"itl_ms"/"tpot_ms"/
-"schedule_lag_ms" quantiles), plus "final": false while a worker can still add to it.
+"schedule_lag_ms" quantiles), plus "final": false while a worker can still add to it, and
+"scheduled_in_full": true once every worker has reported its arrivals in it (answered or not).
 "unanswered" = scheduled - dropped - lost_worker - answered at this moment. Seconds in which
 nothing was scheduled have no item.
 """

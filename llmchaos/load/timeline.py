@@ -214,7 +214,9 @@ class Recorder:
         """The delta since the last report (and reset). `next_due_s`: the schedule position.
 
         `complete_before_s` tells the master which seconds this worker will not touch again;
-        `scheduled_total` how many arrivals of its share all its reports hold together.
+        `scheduled_before_s` before which schedule offset every arrival of its share is in its
+        reports (None: all of them, the schedule is over); `scheduled_total` how many arrivals
+        of its share all its reports hold together.
         """
         horizon = [min(self._open)] if self._open else []
         if next_due_s is not None:
@@ -224,6 +226,7 @@ class Recorder:
             "ok_slots": {str(slot): n for slot, n in self._ok_slots.items()},
             "in_flight": self.in_flight,
             "complete_before_s": min(horizon) if horizon else None,
+            "scheduled_before_s": next_due_s,
             "scheduled_total": self.scheduled_total,
             "final": final,
         }

@@ -134,6 +134,17 @@ def test_live_data_of_the_last_two_seconds_is_not_settled() -> None:
     assert [w.settled for w in windows][-3:] == [True, False, False]
 
 
+def test_live_data_is_settled_once_every_load_worker_has_reported_it() -> None:
+    records = timeline(["g"] * 10)
+    for record, in_full in zip(records, [True] * 9 + [False], strict=True):
+        record.scheduled_in_full = in_full
+    windows = rolling_windows(records, SLO, 5, now_ts=T0 + 10.1)
+    # the load's word, not the clock: second 8 at once, second 9 not even 2 s later
+    assert [w.settled for w in windows][-2:] == [True, False]
+    later = rolling_windows(records, SLO, 5, now_ts=T0 + 13)
+    assert not later[-1].settled
+
+
 @pytest.mark.parametrize(
     ("answered", "expected"),
     [

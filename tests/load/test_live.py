@@ -240,12 +240,17 @@ def test_seconds_give_live_records_that_become_the_timeline_lines(fake_server, t
     assert [x["t"] for x in live] == list(range(len(live))) and len(live) >= 3, live
     assert [x["t"] for x in one] == [1]
     for x in live:
-        assert set(x) == set(lines[x["t"]]) | {"final"}
+        assert set(x) == set(lines[x["t"]]) | {"final", "scheduled_in_full"}
         answered = x["ok"] + sum(x["failed"].values())
         assert x["unanswered"] == x["scheduled"] - x["dropped"] - answered
     # Second 0 was settled at 3.5 s: its record is already the line the file got.
-    assert live[0] == {**lines[0], "final": True}
+    assert live[0] == {**lines[0], "final": True, "scheduled_in_full": True}
     assert any(not x["final"] and x["unanswered"] > 0 for x in live), live
+    # read at 3.5 s (the worker reports every second): the seconds before its last report are
+    # in full, the one under way is not
+    in_full = [x["scheduled_in_full"] for x in live]
+    assert in_full == sorted(in_full, reverse=True) and in_full[:2] == [True, True], live
+    assert live[-1]["t"] == 3 and not live[-1]["scheduled_in_full"], live
 
 
 def test_time_zero_is_sent_again_for_workers_that_registered_late() -> None:

@@ -48,16 +48,36 @@ def test_seconds_include_unsettled_seconds_and_match_the_timeline_lines():
     assert SecondStats.from_json(second).hist["latency_ms"].count == 1
 
     timeline = agg.final_lines()
-    assert timeline == [{k: v for k, v in first.items() if k != "final"}]
+    assert timeline == [{k: v for k, v in first.items() if k not in ("final", "scheduled_in_full")}]
 
     rec.finished(1, "ok", 900.0, 1.9, mode="cpu", tenant="beta")
     agg.add_report("w1", rec.take_report(next_due_s=None, final=True))
     (settled,) = agg.final_lines()
     assert settled["t"] == 1 and settled["unanswered"] == 0 and settled["ok"] == 1
-    assert agg.seconds_lines(0.0, 10.0)[1] == {**settled, "final": True}
+    assert agg.seconds_lines(0.0, 10.0)[1] == {**settled, "final": True, "scheduled_in_full": True}
     # Lines already in the file stay final even when their worker goes silent.
     agg._workers.clear()
     assert all(x["final"] for x in agg.seconds_lines(0.0, 10.0))
+
+
+def test_a_second_is_scheduled_in_full_once_every_worker_has_reported_past_it():
+    """Two workers share the schedule: a second can be judged once both have reported their
+    arrivals of it, answered or not (before it is final); a lost worker no longer holds it."""
+    agg = Aggregate(START, duration_s=10.0, target_qps=4.0)
+    ahead, behind = Recorder(), Recorder()
+    for sec in range(4):
+        ahead.scheduled(sec)
+    for sec in range(2):
+        behind.scheduled(sec)
+    agg.add_report("ahead", ahead.take_report(next_due_s=4.2))
+    agg.add_report("behind", behind.take_report(next_due_s=2.5))
+    live = agg.seconds_lines(0.0, 10.0)
+    assert [x["scheduled_in_full"] for x in live] == [True, True, False, False]
+    assert not any(x["final"] for x in live)  # nothing is answered yet
+    agg.mark_lost("behind")
+    assert [x["scheduled_in_full"] for x in agg.seconds_lines(0.0, 10.0)] == [True] * 4
+    agg.add_report("ahead", ahead.take_report(next_due_s=None))  # its schedule is over
+    assert all(x["scheduled_in_full"] for x in agg.seconds_lines(0.0, 10.0))
 
 
 def test_a_lines_ts_selects_that_line_as_either_bound():
