@@ -126,8 +126,11 @@ class LongPromptSurge:
         with self._lock:
             return self._last_answer_ts
 
-    def stop(self, timeout_s: float = 10.0) -> dict[str, int]:
-        """Send no more; wait up to `timeout_s` for the requests still out; the counts."""
+    def stop(self, timeout_s: float = 2.0) -> dict[str, int]:
+        """Send no more; wait up to `timeout_s` for the requests still out; the counts. Short:
+        the run stops the surge after its verdict, which on a sound target came after the
+        last answer, and on a broken one the requests still out are stuck (10 s of waiting
+        held up each small-kv-cache run and they were counted unfinished all the same)."""
         self._stop.set()
         deadline = time.monotonic() + timeout_s
         for thread in [*([self._scheduler] if self._scheduler else []), *self._threads]:

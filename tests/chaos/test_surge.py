@@ -21,10 +21,13 @@ from llmchaos.surge import LongPromptSurge
 class _Recorder(BaseHTTPRequestHandler):
     bodies: ClassVar[list[dict[str, Any]]] = []
     status: ClassVar[int] = 200
+    hang: ClassVar[threading.Event | None] = None
 
     def do_POST(self) -> None:
         length = int(self.headers["Content-Length"])
         type(self).bodies.append(json.loads(self.rfile.read(length)))
+        if type(self).hang is not None:
+            type(self).hang.wait(30)  # a stuck engine: no answer until the test lets go
         self.send_response(type(self).status)
         self.send_header("Content-Length", "2")
         self.end_headers()
@@ -86,6 +89,21 @@ def test_the_surge_counts_what_failed(
     surge.start()
     time.sleep(0.6)
     assert surge.stop() == {"5xx": 3, "unfinished": 0}
+
+
+def test_stopping_a_surge_of_stuck_requests_counts_them_unfinished(
+    server: tuple[str, type[_Recorder]],
+) -> None:
+    url, handler = server
+    handler.hang = threading.Event()
+    surge = LongPromptSurge(url, None, "m", qps=10, duration_s=0.3, prompt_tokens=1, max_tokens=1)
+    surge.start()
+    time.sleep(0.5)
+    try:
+        assert surge.stop(timeout_s=0.2) == {"unfinished": 3}
+        assert surge.acting_until() >= time.time() - 1  # still out: it still acts
+    finally:
+        handler.hang.set()
 
 
 def test_a_surge_rate_is_given_once() -> None:
