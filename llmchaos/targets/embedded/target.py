@@ -16,10 +16,8 @@ import os
 import signal
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,7 +40,6 @@ from llmchaos.stack.stack import (
 from llmchaos.stack.topology import (
     RegistryInfo,
     Topology,
-    WorkerInfo,
     read_agent_state,
     read_replicas,
     read_secrets,
@@ -61,10 +58,6 @@ _READ_TIMEOUT_S = 0.5
 """Timeout of one metrics or health read: a partitioned node must not stall a probe."""
 _GATEWAY_READ_TIMEOUT_S = 2.0
 """Timeout of one read of a gateway's /metrics: an overloaded gateway answers late."""
-_READERS = 16
-"""Endpoints read at once by the probes (`_each`)."""
-_Item = TypeVar("_Item")
-_Read = TypeVar("_Read")
 
 
 def planned_info(config: StackConfig) -> TargetInfo:
@@ -280,10 +273,10 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
     def gateway_metrics(self, names: tuple[str, ...]) -> dict[str, float]:
         """Raises StackError when no gateway answered (a busy gateway's /metrics can take
         longer than an engine's: 2 s each)."""
-        read = _each(
-            lambda g: _metrics(g.url + "/metrics", names, _GATEWAY_READ_TIMEOUT_S),
-            self.topology.gateways,
-        )
+        read = [
+            _metrics(g.url + "/metrics", names, _GATEWAY_READ_TIMEOUT_S)
+            for g in self.topology.gateways
+        ]
         answered = [r for r in read if r is not None]
         if not answered:
             raise StackError(f"no gateway answered /metrics for {', '.join(names)}")
@@ -294,7 +287,11 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
         far and requests waiting, summed."""
         names = ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total")
         names += ("vllm:num_requests_waiting",)
-        read = _each(lambda w: _metrics(w.url + "/metrics", names), self._workers())
+        read = [
+            _metrics(worker.url + "/metrics", names)
+            for node in self._topology.nodes
+            for worker in node.workers
+        ]
         answered = [r for r in read if r is not None]
         if not answered:
             return None
@@ -308,11 +305,12 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
         """Of each worker that answers (absent: it does not)."""
         names = ("vllm:request_success_total", "vllm:num_requests_running")
         names += ("vllm:num_requests_waiting",)
-        workers = self._workers()
-        read = _each(lambda w: _metrics(w.url + "/metrics", names), workers)
-        return {
-            w.name: sum(r.values()) for w, r in zip(workers, read, strict=True) if r is not None
+        read = {
+            worker.name: _metrics(worker.url + "/metrics", names)
+            for node in self._topology.nodes
+            for worker in node.workers
         }
+        return {worker: sum(r.values()) for worker, r in read.items() if r is not None}
 
     def _agent_restart_delay_s(self) -> float:
         """How long the node agents wait before restarting a dead worker."""
@@ -351,22 +349,13 @@ class EmbeddedTarget(ProcessFaults, GpuFaults, ResourceFaults, NetworkFaults, Ta
         return {"recovered": recovered, "unrecovered": unrecovered}
 
     def healthy_workers(self, mode: str = "") -> int:
-        workers = [w for w in self._workers() if not mode or w.mode == mode]
-        statuses = _each(lambda w: http_get_status(w.url + "/healthz", _READ_TIMEOUT_S), workers)
-        return statuses.count(200)
-
-    def _workers(self) -> list[WorkerInfo]:
-        return [worker for node in self._topology.nodes for worker in node.workers]
-
-
-def _each(read: Callable[[_Item], _Read], items: Sequence[_Item]) -> list[_Read]:
-    """`read(item)` of every item, in order, up to _READERS at once: they wait on sockets, and
-    one after the other a fleet's 44 workers took about a second per probe (a partitioned
-    one its whole timeout)."""
-    if len(items) <= 1:
-        return [read(item) for item in items]
-    with ThreadPoolExecutor(min(_READERS, len(items)), thread_name_prefix="llmchaos-read") as pool:
-        return list(pool.map(read, items))
+        return sum(
+            1
+            for node in self._topology.nodes
+            for worker in node.workers
+            if (not mode or worker.mode == mode)
+            and http_get_status(worker.url + "/healthz", _READ_TIMEOUT_S) == 200
+        )
 
 
 def _metrics(
