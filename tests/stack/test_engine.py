@@ -41,7 +41,11 @@ async def test_gpu_profile_ttft_and_per_token_latency_at_low_load(prompt_tokens:
     assert result.finish_reason == "length"
     assert result.completion_tokens == 20
     assert result.ttft_s is not None
-    assert 0.060 <= result.ttft_s <= 0.120
+    # a lone request's wait past the API overhead is the machine's, not the cost model's: on
+    # 4 busy xdist workers one waited 21 ms for the engine's loop (TTFT 127 ms)
+    assert result.queue_s is not None
+    waited_s = max(0.0, result.queue_s - GPU_PROFILE.api_overhead_ms / 1000)
+    assert 0.060 <= result.ttft_s - waited_s <= 0.120
     assert 0.010 <= per_token_s(result) <= 0.015
     assert result.preemptions == 0
 
