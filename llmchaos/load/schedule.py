@@ -85,6 +85,8 @@ class ArrivalSchedule:
         # Constant streams of different workers are interleaved by phase.
         self._need = (index * share) % 1.0 if profile.stages[0].arrival == "constant" else None
         self._pending: list[float] = []  # burst arrivals, a heap
+        self._handed_out_s = 0.0
+        """The last offset next_s() returned."""
         self._base_next: float | None = self._advance_base()
         if profile.bursts is not None:
             self._plan_bursts(profile.bursts, random.Random(seed), 0.0, profile.duration_s)
@@ -136,10 +138,12 @@ class ArrivalSchedule:
         """The next scheduled offset in seconds, or None when the schedule is over."""
         base = self._base_next
         if self._pending and (base is None or self._pending[0] <= base):
-            return heapq.heappop(self._pending)
+            self._handed_out_s = heapq.heappop(self._pending)
+            return self._handed_out_s
         if base is None:
             return None
         self._base_next = self._advance_base()
+        self._handed_out_s = base
         return base
 
     def set_qps(self, qps: float, at_s: float) -> None:
@@ -167,8 +171,12 @@ class ArrivalSchedule:
 
     def apply_control(self, control: dict[str, Any], at_s: float) -> None:
         """Apply a live control message of the master ({"qps"} and/or {"burst": {"duration_s",
-        "factor", "seed"}}) at offset `at_s`: the workers and the master's replay of a lost
-        worker's share (shares.py) change their schedules the same way."""
+        "factor", "seed"}}) at offset `at_s`, or from the last offset handed out if that is
+        later: a worker holds that arrival while it sleeps until it, and its reports say every
+        arrival before it is scheduled (the recovery probe judges those seconds), so none may
+        come before it. The workers and the master's replay of a lost worker's share
+        (shares.py) change their schedules the same way."""
+        at_s = max(at_s, self._handed_out_s)
         if "qps" in control:
             self.set_qps(float(control["qps"]), at_s)
         if "burst" in control:

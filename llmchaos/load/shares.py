@@ -35,7 +35,8 @@ class LostShare:
     `skip`: arrivals of the share that the worker's reports hold (its last `scheduled_total`).
     `controls`: the master's log of live controls, (offset s, message), appended to as the run
     goes; each is applied when the replay passes its offset, as a worker applies it while it
-    sleeps until its next arrival (that one is kept, as the worker sends it). A worker applies
+    sleeps until its next arrival (that one is kept, as the worker sends it, and the change
+    starts there: ArrivalSchedule.apply_control). A worker applies
     it when the message arrives, a few ms later: with live controls the replay may differ from
     what the worker would have sent by the arrivals of those few ms.
     """

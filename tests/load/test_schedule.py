@@ -119,6 +119,21 @@ def test_set_qps_and_burst_change_the_rest_of_the_schedule():
     assert per_second[7] > 300 + 1000  # 10 x 300 QPS extra inside the burst second
 
 
+def test_a_control_never_schedules_before_the_arrival_already_handed_out():
+    """A worker holds its next arrival while it sleeps until it, and its reports already say
+    every arrival before it is scheduled: a rate change or a burst that comes meanwhile starts
+    there, not at the (earlier) moment it came."""
+    profile = Profile("constant", (Stage(10.0, 10.0, "constant"),))
+    schedule = ArrivalSchedule(profile)
+    while (held := schedule.next_s()) is not None and held < 5.0:
+        pass
+    assert held == pytest.approx(5.0)
+    schedule.apply_control({"qps": 1000.0}, at_s=4.95)
+    schedule.apply_control({"burst": {"duration_s": 1.0, "factor": 10.0, "seed": 1}}, 4.95)
+    rest = arrivals(schedule)
+    assert min(rest) >= held and Counter(int(x) for x in rest)[5] > 1000
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
