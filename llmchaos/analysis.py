@@ -174,10 +174,20 @@ def rolling_windows(
     """One verdict per second: the window of `window_s` seconds ending with it.
 
     With `now_ts` (live data), a second counts as unsettled until every load worker has
-    reported its share of it (`scheduled_in_full`; a record that does not say: until 2 s after
-    its end), since their reports may still add requests to it.
+    reported its share of it (`scheduled_in_full`, of the second or of the next one with a
+    record; records that do not say: until 2 s after its end), since their reports may still
+    add requests to it.
     """
     seconds = _dense(records)
+    # a second with no record (nothing scheduled in it, so far as the reports say) is reported
+    # in full when the next second with a record is: the load's horizon only moves forward
+    in_full: list[bool | None] = []
+    following: bool | None = None
+    for record in reversed(seconds):
+        if record.scheduled_in_full is not None:
+            following = record.scheduled_in_full
+        in_full.append(following)
+    in_full.reverse()
     width = max(1, round(window_s))
     out = []
     for i, last in enumerate(seconds):
@@ -190,9 +200,7 @@ def rolling_windows(
         latency = LogHistogram.merged(r.latency for r in part)
         p99 = latency.quantile(0.99)
         reported_in_full = (
-            now_ts is None
-            or last.scheduled_in_full
-            or (last.scheduled_in_full is None and last.ts + 1 <= now_ts - 2.0)
+            now_ts is None or in_full[i] or (in_full[i] is None and last.ts + 1 <= now_ts - 2.0)
         )
         settled = unanswered == 0 and reported_in_full
         meets = (

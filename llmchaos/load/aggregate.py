@@ -83,9 +83,18 @@ class Aggregate:
         """Per worker (or lost share): scheduled, dropped, ok, failed, lost_worker."""
         self._lost_horizons: dict[str, int] = {}
         """Lost shares still being replayed: the second their counts are complete before."""
+        self._awaited: set[str] = set()
+        """Shares given to a worker that has not reported yet (`expect`)."""
         self._written_upto = 0  # seconds below this are already in the timeline file
 
+    def expect(self, worker_id: str) -> None:
+        """A worker has a share of the schedule: until its first report (or its loss) no
+        second counts as scheduled in full, since that report may hold arrivals of any."""
+        if worker_id not in self._workers:
+            self._awaited.add(worker_id)
+
     def add_report(self, worker_id: str, report: dict[str, Any]) -> None:
+        self._awaited.discard(worker_id)
         merge_report(self.seconds, self.ok_slots, report)
         counts = self._counts.setdefault(worker_id, Counter())
         for data in report["seconds"].values():
@@ -124,6 +133,7 @@ class Aggregate:
     def mark_lost(self, worker_id: str) -> None:
         """The worker is lost: its reports so far stay (its requests in flight then remain
         unanswered); it no longer holds back finality or the reported end of the run."""
+        self._awaited.discard(worker_id)
         if worker_id in self._workers:
             self._workers[worker_id]["lost"] = True
 
@@ -311,15 +321,16 @@ class Aggregate:
 
     def _scheduled_upto_s(self) -> float:
         """Schedule offset before which every arrival of every share is in the reports: a
-        second ending there has all its requests counted (answered or not). A silent worker
-        still holds it back (its reports may yet come); a lost one's share counts as replayed."""
+        second ending there has all its requests counted (answered or not). A silent worker,
+        or one yet to send its first report, still holds it back (its reports may yet come);
+        a lost one's share counts as replayed."""
         horizons = [
             math.inf if w["scheduled_before_s"] is None else float(w["scheduled_before_s"])
             for w in self._workers.values()
             if not w["lost"]
         ]
         horizons += self._lost_horizons.values()
-        upto = min(horizons) if horizons else 0.0
+        upto = 0.0 if self._awaited or not horizons else min(horizons)
         return max(upto, float(self._written_upto))
 
     def line(self, sec: int, stats: SecondStats) -> dict[str, Any]:

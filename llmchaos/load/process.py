@@ -183,6 +183,8 @@ class Controller:
     def _assign_shares(self) -> None:
         """Share i to the i-th worker that joined; the shares nobody joined for are lost from
         time zero, workers beyond the expected count get none."""
+        agg = self.aggregate
+        assert agg is not None
         joined = self._joined()
         total = self.share_count
         for index in range(total):
@@ -193,6 +195,7 @@ class Controller:
                 self._lose(share, "never joined", 0)
             else:
                 self.by_worker[worker] = share
+                agg.expect(share.key)
                 gevent.spawn(self._announce, worker, self._start_message(index))
         for extra in joined[total:]:
             gevent.spawn(self._announce, extra, self._start_message(None))

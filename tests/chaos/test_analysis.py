@@ -143,6 +143,9 @@ def test_live_data_is_settled_once_every_load_worker_has_reported_it() -> None:
     assert [w.settled for w in windows][-2:] == [True, False]
     later = rolling_windows(records, SLO, 5, now_ts=T0 + 13)
     assert not later[-1].settled
+    # a silent second 8 (no record) is no more reported than second 9 is
+    gap = rolling_windows([*records[:8], records[9]], SLO, 1, now_ts=T0 + 13)
+    assert [w.settled for w in gap][-3:] == [True, False, False]
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,9 @@ def test_a_second_is_scheduled_in_full_once_every_worker_has_reported_past_it():
     live = agg.seconds_lines(0.0, 10.0)
     assert [x["scheduled_in_full"] for x in live] == [True, True, False, False]
     assert not any(x["final"] for x in live)  # nothing is answered yet
+    agg.expect("late")  # a third share whose worker has not reported yet: it may hold any
+    assert not any(x["scheduled_in_full"] for x in agg.seconds_lines(0.0, 10.0))
+    agg.mark_lost("late")
     agg.mark_lost("behind")
     assert [x["scheduled_in_full"] for x in agg.seconds_lines(0.0, 10.0)] == [True] * 4
     agg.add_report("ahead", ahead.take_report(next_due_s=None))  # its schedule is over
