@@ -250,6 +250,29 @@ def _records_since(run: ChaosRun, since_ts: float) -> list[SecondRecord]:
     return [SecondRecord.from_line(item) for item in run.traffic.seconds(since_ts=since_ts)]
 
 
+class _LiveRecords:
+    """The load's seconds from `since_ts` on, read again at each poll from the first that was
+    not final yet: a final second no worker can change, and a probe polling four times a
+    second would otherwise have the load's master serialize every second since the fault."""
+
+    def __init__(self, run: ChaosRun, since_ts: float) -> None:
+        self._run = run
+        self._final: list[SecondRecord] = []
+        self._from_ts = since_ts
+
+    def read(self) -> list[SecondRecord]:
+        fresh = []
+        for line in self._run.traffic.seconds(since_ts=self._from_ts):
+            record = SecondRecord.from_line(line)
+            if line.get("final") and not fresh:
+                self._final.append(record)
+                # the next second's "ts", within the load's 1-ms rounding of it
+                self._from_ts = float(line["ts"]) + 1.0
+            else:
+                fresh.append(record)
+        return [*self._final, *fresh]
+
+
 def recovery_time_s(run: ChaosRun, timeout_s: float = 0.0) -> float:
     """Seconds from the last fault until the SLO held again for the stable period.
 
@@ -269,7 +292,7 @@ def recovery_time_s(run: ChaosRun, timeout_s: float = 0.0) -> float:
     deadline_ts = fault_ts + (timeout_s or s.recovery_deadline_s)
     # windows that start before the fault are part of the picture (the first window ends
     # with the fault's second), so read from one window earlier
-    since_ts = fault_ts - s.window_s - 1
+    records = _LiveRecords(run, fault_ts - s.window_s - 1)
     last_report = 0.0
     while True:
         now = time.time()
@@ -280,7 +303,7 @@ def recovery_time_s(run: ChaosRun, timeout_s: float = 0.0) -> float:
             settled_ts = active_until_ts + s.window_s + s.request_timeout_s + 5
             deadline_ts = max(deadline_ts, settled_ts)
         result = recovery(
-            _records_since(run, since_ts),
+            records.read(),
             fault_ts,
             slo(run),
             window_s=s.window_s,
