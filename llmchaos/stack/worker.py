@@ -9,11 +9,11 @@ GET /version, GET /metrics (vLLM's metric names), GET /gpu/processes (nvidia-smi
 process holds the GPU), and the fault modes' control endpoints (llmchaos.stack.gpu_fault). Every
 response carries `X-Serving-Mode` and `X-Worker`; every error is an OpenAI error body, never a
 traceback. SIGTERM or SIGINT: drain for `shutdown_drain_s` (a pod's termination grace), then
-abort what still runs and exit 0; a second signal cuts the drain short (the node agent sends
-two when the stack goes down: nothing routes there any more). Draining, the worker first keeps
-serving while its health checks answer 503 `draining`, for `DEREGISTER_S`, so the gateways
-drop it before its port closes (a pod's readiness failing before its preStop sleep ends),
-then stops listening and lets what runs answer for the rest of the drain.
+abort what still runs and exit 0; a second signal cuts the drain short (when the stack goes
+down the node agent SIGKILLs its workers: nothing routes there any more). Draining, the
+worker first keeps serving while its health checks answer 503 `draining`, for `DEREGISTER_S`,
+so the gateways drop it before its port closes (a pod's readiness failing before its preStop
+sleep ends), then stops listening and lets what runs answer for the rest of the drain.
 """
 
 from __future__ import annotations
