@@ -90,10 +90,12 @@ def test_open_loop_p99_covers_a_stall_that_closed_loop_locust_hides(fake_server,
     assert summary.latency_ms["p99"] >= 2500, summary.latency_ms
     assert summary.latency_ms["p50"] < 200
     assert summary.frame_drops >= 1  # ~3.5 s without a success
-    # Closed loop: each user had one request stuck, then nothing was sent: a calm p99.
+    # Closed loop: each user had one request stuck, then nothing was sent: a calm p99, under a
+    # third of the stall (under 500 ms on a fast box; 700 ms on a slower one under 6 xdist
+    # workers, where 1,046 were sent and the 10 stuck sat at the 99th percentile's edge).
     assert closed_count < 0.95 * 2000  # it sent less than asked (coordinated omission)
-    assert closed_p99_ms < 500, closed_p99_ms
-    assert summary.latency_ms["p99"] > 5 * closed_p99_ms
+    assert closed_p99_ms < STALL_S * 1000 / 3, closed_p99_ms
+    assert summary.latency_ms["p99"] > 3 * closed_p99_ms
 
 
 def test_accounting_closes_when_the_target_dies_mid_run(fake_server, tmp_path):

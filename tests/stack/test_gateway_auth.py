@@ -146,8 +146,9 @@ async def test_cache_flush_burst_hardened_coalesces_naive_looks_up_every_request
             token_db_latency_ms=20.0,
             token_db_pool_size=8,
             # client, gateway and fake share one loop here: its lag in the burst must not look
-            # like a worker that cannot be reached
-            connect_timeout_s=1.0,
+            # like a worker that cannot be reached (over 1 s on a slow box beside 5 other
+            # xdist workers)
+            connect_timeout_s=5.0,
             first_byte_timeout_s=5.0,
         )
         async with running_gateway(settings) as gw:

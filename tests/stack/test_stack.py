@@ -249,8 +249,9 @@ def test_no_failover_variant_fails_a_share_of_requests_when_a_gpu_is_killed(stac
     # gpu-0 cannot serve for restart_delay_s 0.5 + gpu_load_s 1.5 after the kill (ready_at is
     # only when the poll saw it ready): round-robin over gpu-0 and gpu-1 fails about every
     # other request, while dead (502) and while loading (its own 503 model_loading); never
-    # served from CPU, never retried
-    down = kill.sent_between(0.0, 2.0)
+    # served from CPU, never retried. Those sent in the last 0.5 s of it may reach gpu-0 once
+    # it serves on a busy box (one sent under 2 s after the kill did), so they are left out.
+    down = kill.sent_between(0.0, 1.5)
     failed = [r for r in down if r.status != 200]
     assert 0.3 <= len(failed) / len(down) <= 0.7, sorted(Counter(r.status for r in down).items())
     assert {r.status for r in failed} <= {502, 503}, [r.status for r in failed]
