@@ -39,7 +39,7 @@ from llmchaos.load.procs import LOAD_ENV
 from llmchaos.load.profiles import build_profile
 from llmchaos.load.summary import Summary
 from llmchaos.load.traffic import check_bad_tokens, load_tenants
-from llmchaos.load.wire import CONFIG_ARGUMENT, LIVE_FILE, split_url
+from llmchaos.load.wire import CONFIG_ARGUMENT, CONNECT_TIMEOUT_ENV, LIVE_FILE, split_url
 from llmchaos.processes import find_marked, start_ticks, stop_group
 from llmchaos.signals import deferred, held
 
@@ -206,8 +206,10 @@ def run_worker(master: str, *, connect_timeout_s: float = 60.0) -> int:
     so a signal to it reaches the worker itself). Waits until the master listens, at most
     `connect_timeout_s`; raises InvalidInput for a malformed address, LoadError when nothing
     listens. The worker ends when its master quits, or ~10 s after its master is gone
-    (process.MASTER_GONE_S); one that joins after time zero gets no share and waits idle for
-    the master's end."""
+    (process.MASTER_GONE_S), or when Locust's connection to the master is not made within
+    `connect_timeout_s` (rounded up to Locust's 5-s tries: a master that quit just after it
+    was seen listening); one that joins after time zero gets no share and waits idle for the
+    master's end."""
     host, port = _split_master(master)
     deadline = time.monotonic() + connect_timeout_s
     while True:
@@ -223,6 +225,7 @@ def run_worker(master: str, *, connect_timeout_s: float = 60.0) -> int:
             time.sleep(0.5)
     sys.stdout.flush()
     sys.stderr.flush()
+    os.environ[CONNECT_TIMEOUT_ENV] = str(connect_timeout_s)
     os.execv(sys.executable, worker_command(master))
     return 0  # not reached: execv replaces the process
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from llmchaos.load.shares import LostShare, Share
 from llmchaos.load.user import WORKER
 from llmchaos.load.wire import (
     CONFIG_ARGUMENT,
+    CONNECT_TIMEOUT_ENV,
     CONTROL_MESSAGE,
     LIVE_FILE,
     REPORT_MESSAGE,
@@ -449,6 +451,20 @@ def _add_arguments(parser: Any) -> None:
         include_in_web_ui=False,
         help="llmchaos LoadConfig as JSON (forwarded by the master to its workers)",
     )
+
+
+def _bound_the_connect_to_master() -> None:
+    """Under `llmchaos load-worker`, Locust's worker tries to connect to its master for
+    --connect-timeout-s, not Locust's 60 tries of 5 s: a worker whose master quit just after
+    it was seen listening stayed 5 min. Set at import: Locust connects while it builds the
+    worker's runner, before any init hook, and reads the module global at every try."""
+    seconds = os.environ.get(CONNECT_TIMEOUT_ENV)
+    if seconds:
+        tries = math.ceil(float(seconds) / locust.runners.CONNECT_TIMEOUT)
+        locust.runners.CONNECT_RETRY_COUNT = max(0, tries - 1)  # retries after the first
+
+
+_bound_the_connect_to_master()
 
 
 @events.init.add_listener

@@ -15,6 +15,7 @@ from llmchaos.load.traffic import RequestSpec
 
 __all__ = [
     "CONFIG_ARGUMENT",
+    "CONNECT_TIMEOUT_ENV",
     "CONTROL_MESSAGE",
     "LIVE_FILE",
     "REPORT_MESSAGE",
@@ -28,6 +29,9 @@ __all__ = [
 CONFIG_ARGUMENT = "--llmchaos-config"
 """Custom Locust argument: the LoadConfig as JSON. Locust forwards custom arguments from the
 master to its workers with every spawn message, so workers need no file of their own."""
+CONNECT_TIMEOUT_ENV = "LLMCHAOS_LOAD_WORKER_CONNECT_S"
+"""Set by `llmchaos load-worker` for its Locust worker: how long it may try to connect to the
+master (its --connect-timeout-s), instead of Locust's 60 tries of 5 s."""
 START_MESSAGE = "llmchaos_start"
 """master -> workers: {"start_epoch_s"}: the schedule's time zero, shared by all workers."""
 CONTROL_MESSAGE = "llmchaos_control"

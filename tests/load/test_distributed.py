@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -218,6 +219,32 @@ def test_load_worker_without_a_master_gives_up_with_a_message(capsys):
     assert f"nothing listens on {master}" in capsys.readouterr().err
     assert main(["load-worker", "--master", "nohost"]) == 2
     assert "--master: expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_load_worker_whose_master_stops_answering_gives_up_within_its_connect_timeout() -> None:
+    """Something listens at --master but no Locust master answers (one that quit just after
+    the worker saw it listening): Locust's own 60 tries of 5 s kept such a worker 5 min; it
+    now gives up after --connect-timeout-s, rounded up to one 5-s try."""
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never speaks ZMTP
+    try:
+        master = f"127.0.0.1:{listener.getsockname()[1]}"
+        worker = subprocess.Popen(
+            [LLMCHAOS, "load-worker", "--master", master, "--connect-timeout-s", "2"],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            _, err = worker.communicate(timeout=40.0)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(timeout=10.0)
+    finally:
+        listener.close()
+    assert worker.returncode != 0
+    assert "Failed to connect to the Locust master" in err, err[-2000:]
 
 
 def test_a_stopped_run_counts_a_lost_share_up_to_the_stop_only(fake_server, tmp_path):
