@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+TEST_WORKERS ?= 6
 NODE_STAMP := node_modules/.installed-stamp
 
 .PHONY: setup system-deps litellm demo test gameday lint bench clean k8s-bin
@@ -37,16 +38,17 @@ demo: setup
 
 # The framework's own tests, then the catalogue as a resilience suite (Allure results in
 # reports/allure-results/; the soak suite, hours, is left to `llmchaos gameday --suite soak`).
-# The tests on 6 xdist workers (most wait on servers: on 4 the cores were idle half the time,
-# and 6 took the phase from 5:32 to 4:17 where 8 gained nothing; tests/conftest.py says how
-# they are spread; a worker that dies or is interrupted ends the run rather than being replaced),
+# The tests on TEST_WORKERS xdist workers, 6 by default (most wait on servers: on 4 the cores
+# were idle half the time, and 6 took the phase from 5:32 to 4:17 where 8 gained nothing; on a
+# box 1.6x slower per core 6 starved timing tests, 4 did not: README "Tests"; tests/conftest.py
+# says how they are spread; a worker that dies or is interrupted ends the run, not replaced),
 # then the `solo` ones alone; the suite after them: side by side they load two cores
 # enough to move the experiments' timing (an autoscaler scaled out during the warm-up).
 # pytest's exit code 5 (nothing collected) fails here like any other. Each writes its JUnit
 # XML to reports/junit/, which scripts/test-times.py sums per test file: where CI's time goes.
 test: setup k8s-bin
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests -m "not solo" -n 6 --max-worker-restart=0 \
+	$(BIN)/python -m pytest tests -m "not solo" -n $(TEST_WORKERS) --max-worker-restart=0 \
 		--junitxml=reports/junit/tests.xml
 	$(BIN)/python -m pytest tests -m solo --junitxml=reports/junit/tests-solo.xml
 	$(BIN)/python -m pytest suites -m resilience --junitxml=reports/junit/suite.xml
