@@ -71,16 +71,7 @@ out, the scale-down window 8 s; the degradation watch 15 s (the queue passes 1,0
 second) and 6 s of the overload in degraded mode; the stepped load's steps 7 s instead of 20
 (4.9 s of each judged, at 200-1,200 QPS 980-5,880 requests; both variants kept their verdicts);
 cpu_throttle's throttle held 12 s instead of 20 (its known-bad variant misses the SLO from 5 s
-in, and fails its no-failure probe whatever the hold). The same settings for the hosts target's
-runs against LiteLLM and nginx (tests/hosts/test_catalogue.py, 8 QPS: 24 requests a window):
-its two `cpu_throttle` cases, run alone, took 40 s each instead of 53-61 s, and all six kept
-their verdicts."""
-
-
-def ci_run_env() -> dict[str, str]:
-    """CI_RUN_ENV when CI is set, else nothing: the settings every `chaos run` of a test gets."""
-    return dict(CI_RUN_ENV) if os.environ.get("CI") else {}
-
+in, and fails its no-failure probe whatever the hold)."""
 
 hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 hypothesis_settings.register_profile("dev", deadline=None)
@@ -334,7 +325,7 @@ def run_experiment(suite_dir: Path, request: pytest.FixtureRequest) -> Experimen
 
     def run(path: Path, variant: str, env: Mapping[str, str]) -> ExperimentOutcome:
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in request.node.name)
-        extra_env = {**ci_run_env(), **env}
+        extra_env = {**(CI_RUN_ENV if os.environ.get("CI") else {}), **env}
         return run_chaos_experiment(
             path, variant=variant, runs_root=suite_dir / name, extra_env=extra_env
         )
