@@ -37,6 +37,16 @@ def test_waits(child):
 """
 
 
+_STACKS_CONFTEST = """
+import faulthandler, os, signal
+_stacks = open(os.path.join(os.path.dirname(__file__), f"stacks-{os.getpid()}.txt"), "w")
+faulthandler.register(signal.SIGUSR2, file=_stacks, all_threads=True)
+"""
+"""Loaded by the controller and its worker both (the test file's own conftest): SIGUSR2 writes
+every thread's stack to stacks-<pid>.txt beside it, to see where a run that does not stop
+hangs (to a file: pytest has stderr captured when it loads a conftest)."""
+
+
 TEARDOWN_S = 12
 """The sleeper's teardown: longer than xdist's own wait for a worker (10 s)."""
 
@@ -55,6 +65,7 @@ def test_an_interrupted_xdist_run_lets_its_tests_stop_what_they_started(
     SIGTERM that follows must not interrupt the teardown the SIGINT started."""
     pid_file = tmp_path / "child.pid"
     test_file = tmp_path / "test_sleeper.py"
+    (tmp_path / "conftest.py").write_text(_STACKS_CONFTEST)
     test_file.write_text(
         textwrap.dedent(
             _SLEEPER_TEST.format(pid_file=str(pid_file), teardown_s=TEARDOWN_S, child=_CHILD)
@@ -94,8 +105,13 @@ def test_an_interrupted_xdist_run_lets_its_tests_stop_what_they_started(
         try:
             output = controller.communicate(timeout=TEARDOWN_S + 60)[0]
         except subprocess.TimeoutExpired:
+            os.killpg(controller.pid, signal.SIGUSR2)  # the stacks of controller and worker
+            time.sleep(2.0)
             os.killpg(controller.pid, signal.SIGKILL)
-            raise AssertionError(f"the run did not stop: {controller.communicate()[0]}") from None
+            output = controller.communicate()[0][-2000:]
+            for stacks in sorted(tmp_path.glob("stacks-*.txt")):
+                output += f"\n{stacks.name}:\n{stacks.read_text()[-4000:]}"
+            raise AssertionError(f"the run did not stop:\n{output}") from None
         assert controller.returncode == 2, output  # interrupted
         assert not pid_alive(child_pid), f"the test's child {child_pid} outlived the run"
     finally:
