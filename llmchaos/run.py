@@ -39,7 +39,6 @@ from llmchaos.machine import CpuSample, MachineCpu
 from llmchaos.processes import Owner, start_ticks, stop_pids
 from llmchaos.redact import redact, redact_text
 from llmchaos.report import RunFacts, RunResult, write_run_report
-from llmchaos.report.chart import import_chart_library_in_background
 from llmchaos.settings import RunSettings
 from llmchaos.surge import LongPromptSurge
 from llmchaos.targets import Target, TargetInfo, target_kind
@@ -321,7 +320,6 @@ class ChaosRun:
 
     def warm_up(self) -> None:
         """Let the load run `warmup_s` before the first steady-state check."""
-        import_chart_library_in_background()  # for the report, off the run's finish
         remaining_s = (self.load_start_ts or time.time()) + self.settings.warmup_s - time.time()
         if remaining_s > 0:
             log.info("llmchaos: warming up for %.0f s", remaining_s)

@@ -7,14 +7,13 @@ second. Written as PNG and SVG by matplotlib (Agg, no display needed).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmchaos.analysis import Recovery, SecondRecord, Slo, WindowVerdict
 
-__all__ = ["ChartMarks", "import_chart_library_in_background", "write_recovery_chart"]
+__all__ = ["ChartMarks", "write_recovery_chart"]
 
 
 @dataclass(frozen=True)
@@ -27,22 +26,6 @@ class ChartMarks:
     recovery: Recovery | None
 
 
-def _import_chart_library() -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot
-
-
-def import_chart_library_in_background() -> threading.Thread:
-    """Import matplotlib in a daemon thread. The import is about a second of CPU (0.6-1.2 s
-    measured) that the chart would otherwise add to every run's finish, after its verdict;
-    a run calls this as its warm-up starts, whose first seconds are never judged."""
-    thread = threading.Thread(target=_import_chart_library, name="import-matplotlib", daemon=True)
-    thread.start()
-    return thread
-
-
 def write_recovery_chart(
     records: Sequence[SecondRecord],
     windows: Sequence[WindowVerdict],
@@ -52,7 +35,9 @@ def write_recovery_chart(
     title: str,
 ) -> list[Path]:
     """Write `<out_stem>.png` and `<out_stem>.svg`; returns their paths."""
-    _import_chart_library()  # at once when a run's warm-up imported it
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     def x(ts: float) -> float:
