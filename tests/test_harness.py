@@ -105,8 +105,9 @@ def test_an_interrupted_xdist_run_lets_its_tests_stop_what_they_started(
         try:
             output = controller.communicate(timeout=TEARDOWN_S + 60)[0]
         except subprocess.TimeoutExpired:
-            os.killpg(controller.pid, signal.SIGUSR2)  # the stacks of controller and worker
-            time.sleep(2.0)
+            with contextlib.suppress(ProcessLookupError):  # the stacks of controller and worker
+                os.killpg(controller.pid, signal.SIGUSR2)
+                time.sleep(2.0)
             os.killpg(controller.pid, signal.SIGKILL)
             output = controller.communicate()[0][-2000:]
             for stacks in sorted(tmp_path.glob("stacks-*.txt")):

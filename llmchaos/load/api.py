@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -211,6 +212,10 @@ def run_worker(master: str, *, connect_timeout_s: float = 60.0) -> int:
     was seen listening); one that joins after time zero gets no share and waits idle for the
     master's end."""
     host, port = _split_master(master)
+    if not math.isfinite(connect_timeout_s) or connect_timeout_s < 0:
+        raise InvalidInput(
+            f"--connect-timeout-s: expected a number of seconds >= 0, got {connect_timeout_s}"
+        )
     deadline = time.monotonic() + connect_timeout_s
     while True:
         try:
@@ -225,8 +230,8 @@ def run_worker(master: str, *, connect_timeout_s: float = 60.0) -> int:
             time.sleep(0.5)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.environ[CONNECT_TIMEOUT_ENV] = str(connect_timeout_s)
-    os.execv(sys.executable, worker_command(master))
+    env = {**os.environ, CONNECT_TIMEOUT_ENV: str(connect_timeout_s)}
+    os.execve(sys.executable, worker_command(master), env)
     return 0  # not reached: execv replaces the process
 
 

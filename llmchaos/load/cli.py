@@ -250,7 +250,9 @@ def register(subparsers: Any) -> None:
         "--connect-timeout-s",
         type=float,
         default=60.0,
-        help="give up when the master does not listen within this long (default: 60)",
+        help="give up when the master does not listen within this long, or when Locust's "
+        "connection to it is not made within this long, rounded up to Locust's 5-s tries "
+        "(default: 60)",
     )
     worker.set_defaults(func=_load_worker)
 

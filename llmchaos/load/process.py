@@ -458,10 +458,15 @@ def _bound_the_connect_to_master() -> None:
     --connect-timeout-s, not Locust's 60 tries of 5 s: a worker whose master quit just after
     it was seen listening stayed 5 min. Set at import: Locust connects while it builds the
     worker's runner, before any init hook, and reads the module global at every try."""
-    seconds = os.environ.get(CONNECT_TIMEOUT_ENV)
-    if seconds:
-        tries = math.ceil(float(seconds) / locust.runners.CONNECT_TIMEOUT)
-        locust.runners.CONNECT_RETRY_COUNT = max(0, tries - 1)  # retries after the first
+    try:
+        seconds = float(os.environ.get(CONNECT_TIMEOUT_ENV) or "nan")
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        return  # unset (not under load-worker) or not a number: Locust's own tries
+    tries = math.ceil(seconds / locust.runners.CONNECT_TIMEOUT)
+    # retries after the first; never more than Locust's own (each try is a recursive call)
+    locust.runners.CONNECT_RETRY_COUNT = min(max(0, tries - 1), locust.runners.CONNECT_RETRY_COUNT)
 
 
 _bound_the_connect_to_master()
