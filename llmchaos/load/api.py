@@ -232,7 +232,7 @@ def run_worker(master: str, *, connect_timeout_s: float = 60.0) -> int:
     sys.stderr.flush()
     env = {**os.environ, CONNECT_TIMEOUT_ENV: str(connect_timeout_s)}
     os.execve(sys.executable, worker_command(master), env)
-    return 0  # not reached: execv replaces the process
+    return 0  # not reached: execve replaces the process
 
 
 def _wait_live(process: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> str:
