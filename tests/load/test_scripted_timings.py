@@ -12,6 +12,7 @@ a fraction of a millisecond (failures print all three).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -70,6 +71,24 @@ def needs_root() -> None:
         pytest.skip("a packet socket on lo needs root")
 
 
+def misses_against_the_wire(
+    server_port: int, front: str, run_dir: Path, plan: dict[str, float]
+) -> list[str]:
+    """One load run against the wire: each median outside the bound, as a line."""
+    with contextlib.ExitStack() as stack:
+        url = f"http://127.0.0.1:{server_port}"
+        if front == "haproxy":
+            url = stack.enter_context(haproxy_in_front(server_port, run_dir / "haproxy"))
+        wire = stack.enter_context(WireClock(int(url.rsplit(":", 1)[1])))
+        measured = run_load(url, run_dir / "load")
+    truth = wire.medians_ms()
+    return [
+        f"{name} p50: {measured[name]:.2f} ms, wire {truth[name]:.2f} ms (script {plan[name]} ms)"
+        for name in plan
+        if abs(measured[name] - truth[name]) > tolerance_ms(truth[name])
+    ]
+
+
 @pytest.mark.parametrize("front", ["direct", "haproxy"])
 @pytest.mark.parametrize(("ttft_ms", "itl_ms"), [(20, 5), (100, 10), (250, 30)])
 def test_load_timings_match_the_wire(
@@ -79,20 +98,13 @@ def test_load_timings_match_the_wire(
         *("--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), "--tokens", str(TOKENS)),
         module="tests.load.scripted_server",
     )
-    if front == "direct":
-        with WireClock(int(server.url.rsplit(":", 1)[1])) as wire:
-            measured = run_load(server.url, tmp_path / "load")
-    else:
-        with (
-            haproxy_in_front(int(server.url.rsplit(":", 1)[1]), tmp_path / "haproxy") as url,
-            WireClock(int(url.rsplit(":", 1)[1])) as wire,
-        ):
-            measured = run_load(url, tmp_path / "load")
-    truth = wire.medians_ms()
+    port = int(server.url.rsplit(":", 1)[1])
     plan = {"ttft": ttft_ms, "itl": itl_ms, "tpot": itl_ms, "e2e": ttft_ms + (TOKENS - 1) * itl_ms}
-    misses = [
-        f"{name} p50: {measured[name]:.2f} ms, wire {truth[name]:.2f} ms (script {plan[name]} ms)"
-        for name in plan
-        if abs(measured[name] - truth[name]) > tolerance_ms(truth[name])
-    ]
-    assert not misses, f"{front}: " + "; ".join(misses)
+    # A miss is measured once more. CI runs this beside five other tests on two cores, and a
+    # burst there once put the load's median TTFT 2.2 ms off the wire's (bound 2 ms); with
+    # two busy loops beside it the medians stay within 1 ms. A bias (a front door that
+    # buffers, a lag not taken off) misses in both runs.
+    misses = misses_against_the_wire(port, front, tmp_path / "first", plan)
+    if misses:
+        again = misses_against_the_wire(port, front, tmp_path / "again", plan)
+        assert not again, f"{front}: {'; '.join(misses)}; measured again: {'; '.join(again)}"
