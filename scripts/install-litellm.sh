@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # LiteLLM proxy (pinned, every package by hash) in its own venv, .venv-litellm/, for the hosts
 # target's LiteLLM example. Why a venv of its own and why this version: the header of
-# scripts/litellm-requirements.txt. Safe to run again: nothing is done when the installed set
-# matches the lock file (a stamp holds the lock's checksum).
+# scripts/litellm-requirements.txt. Installed by .venv's uv (the Makefile says why), its cache
+# in ~/.cache/llmchaos/uv. Safe to run again: nothing is done when the installed set matches
+# the lock file (a stamp holds the lock's checksum).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -13,9 +14,14 @@ want=$(sha256sum "$LOCK" | cut -d' ' -f1)
 if [[ -x $VENV/bin/litellm && -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
   exit 0
 fi
-echo "installing LiteLLM into $VENV (about 1.5 min, 760 MB)"
-test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q --require-hashes --no-deps -r "$LOCK"
-"$VENV/bin/python" -m pip check >/dev/null
+UV=.venv/bin/uv
+export UV_CACHE_DIR=${UV_CACHE_DIR:-$HOME/.cache/llmchaos/uv} UV_PYTHON_DOWNLOADS=never
+if [[ ! -x $UV ]]; then
+  echo "$UV is missing: run make setup (it installs uv into .venv first)" >&2
+  exit 1
+fi
+echo "installing LiteLLM into $VENV (760 MB: 20 s from uv's cache, a minute or two without)"
+test -x "$VENV/bin/python" || "$PYTHON" -m venv --without-pip "$VENV"
+"$UV" pip install -q --python "$VENV/bin/python" --compile-bytecode --require-hashes --no-deps -r "$LOCK"
+"$UV" pip check -q --python "$VENV/bin/python"
 echo "$want" > "$STAMP"
