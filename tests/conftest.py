@@ -27,20 +27,27 @@ from llmchaos.targets.embedded.calibration import Calibration
 
 os.environ.setdefault("LLMCHAOS_EMBEDDED_MAX_QPS", "50")
 
-ONE_WORKER_FOLDERS = ("tests/k8s", "tests/hosts")
+ONE_WORKER_FOLDERS = ("tests/k8s",)
 """Folders whose modules all run on one xdist worker: tests/k8s's share one control plane
-(etcd, kube-apiserver, controllers, kwok: a session fixture, started once per worker);
-tests/hosts/test_catalogue.py starts the example hosts files' servers on their fixed ports
-(experiments/targets/*.yaml), which tests/hosts/test_topology.py checks are free. Every other
-module runs on one worker, its module-scoped stacks started once."""
+(etcd, kube-apiserver, controllers, kwok: a session fixture, started once per worker). Every
+other module runs on one worker, its module-scoped stacks started once."""
+SPLIT_MODULES = {"tests/hosts/test_catalogue.py": ("litellm-", "nginx-")}
+"""Modules whose tests go to workers by the prefix of their parameter id instead. The hosts
+catalogue's LiteLLM and nginx cases start the example hosts files' servers on their fixed ports
+(experiments/targets/*.yaml), which the two files do not share: LiteLLM's pair alone took 163 s
+of CI's parallel part, on the worker that then ran the nginx pair too (77 s)."""
 
 
 class FolderScheduling(LoadFileScheduling):
-    """xdist's `loadfile` scheduling with each of ONE_WORKER_FOLDERS as one file. (xdist_group
-    marks would do it, but `--dist loadgroup` does not group under pytest 9.2.)"""
+    """xdist's `loadfile` scheduling with each of ONE_WORKER_FOLDERS as one file and each of
+    SPLIT_MODULES as several. (xdist_group marks would do it, but `--dist loadgroup` does not
+    group under pytest 9.2.)"""
 
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]
+        for prefix in SPLIT_MODULES.get(module, ()):
+            if f"[{prefix}" in nodeid:
+                return f"{module}[{prefix}]"
         return next((f for f in ONE_WORKER_FOLDERS if module.startswith(f + "/")), module)
 
 
