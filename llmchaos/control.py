@@ -43,6 +43,7 @@ from llmchaos.errors import InvalidInput, LLMChaosError
 from llmchaos.measure import window_error_rate
 from llmchaos.redact import redact
 from llmchaos.report import write_run_report
+from llmchaos.report.chart import import_matplotlib_in_background
 from llmchaos.report.summary import hypothesis_outcome
 from llmchaos.run import ChaosRun, planned_target
 from llmchaos.settings import RunSettings
@@ -323,6 +324,7 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
     (llmchaos cleanup tries those again), or `failed` when another step did."""
     if journal is not None:
         _step("saving the journal", lambda: run.save_journal(journal))
+    importing = import_matplotlib_in_background()  # for the chart, while the load drains
     run.enter_phase("undoing-faults")
     ok_undo, _ = _step("undoing the faults", lambda: run.undo_faults(by="control"))
     ok_drops, frame_drops = _step("reading frame drops", lambda: _frame_drops_since_fault(run))
@@ -348,6 +350,7 @@ def _finish_run(run: ChaosRun, journal: dict[str, Any] | None) -> None:
         ok_report, _ = _step("writing the report", report)
         run.enter_phase("stopping-target")
     ok_target, _ = stopping.result()
+    importing.join()  # ended with the chart's own import, unless the report failed earlier
     run.phase = "ended"
     if run.ledger.open_faults():
         run.close("faults-open")

@@ -377,8 +377,7 @@ class Controller:
             ended = all(s.state in ("done", "lost") for s in self.shares)
             if ended or agg.now_s() >= deadline_s:
                 break
-        self._finish()
-        gevent.sleep(_TICK_S)  # let a reader of /status see "done"
+        self._finish()  # and quit at once: every run waits for this process's exit
 
     def _finish(self) -> None:
         """Write the rest of the timeline and the summary (once). A run Locust quits before
