@@ -41,7 +41,7 @@ litellm: $(STAMP)
 
 # Allure 3 for the game-day report, exactly as package-lock.json pins it.
 $(NODE_STAMP): package-lock.json
-	npm ci --no-audit --no-fund --silent
+	npm ci --no-audit --no-fund --silent --cache $(HOME)/.cache/llmchaos/npm
 	@touch $(NODE_STAMP)
 
 # The main job: one Chaos Toolkit experiment on the embedded stack (started and stopped by it).

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from llmchaos.errors import InvalidInput, LLMChaosError
+from llmchaos.plotting import pyplot
 from llmchaos.report.score import pooled_score
 from llmchaos.report.summary import RunResult
 from llmchaos.signals import held
@@ -232,10 +233,7 @@ def _day_scores(root: Path) -> dict[str, float | None]:
 
 def _score_chart(days: dict[str, float | None], path: Path) -> Path:
     """The game days' scores as an SVG line chart (an unscored day: a gap)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(days)
     fig, ax = plt.subplots(figsize=(8, 2.8))
@@ -255,10 +253,7 @@ def _score_chart(days: dict[str, float | None], path: Path) -> Path:
 def _add_trend_result(root: Path, experiment: str, results: Path) -> None:
     """One extra Allure result per experiment: its recovery time and resilience score across
     game days (default variant; known-bad variants for comparison), as a chart and a table."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     history = _history(root, experiment)
     days = sorted({h["gameday"] for h in history})

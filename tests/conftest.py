@@ -27,10 +27,17 @@ from llmchaos.targets.embedded.calibration import Calibration
 
 os.environ.setdefault("LLMCHAOS_EMBEDDED_MAX_QPS", "50")
 
-ONE_WORKER_FOLDERS = ("tests/k8s",)
-"""Folders whose modules all run on one xdist worker: tests/k8s's share one control plane
-(etcd, kube-apiserver, controllers, kwok: a session fixture, started once per worker). Every
-other module runs on one worker, its module-scoped stacks started once."""
+SHARED_WORKER_MODULES = (
+    "tests/k8s/test_target_k8s.py",
+    "tests/k8s/test_cluster_load.py",
+    "tests/k8s/test_deploy.py",
+)
+"""Modules that run on one xdist worker together: they share its control plane (etcd,
+kube-apiserver, controllers, kwok: a session fixture, started once per worker that needs it).
+tests/k8s/test_backend_real.py, the other user, goes to a worker of its own and starts a
+second: on one worker the k8s tests took 290 s of the parallel part's 360-470 s on a slow box,
+and a control plane starts in about 20 s. Every other module runs on one worker, its
+module-scoped stacks started once."""
 SPLIT_MODULES = {"tests/hosts/test_catalogue.py": ("litellm-", "nginx-")}
 """Modules whose tests go to workers by the prefix of their parameter id instead. The hosts
 catalogue's LiteLLM and nginx cases start the example hosts files' servers on their fixed ports
@@ -38,24 +45,26 @@ catalogue's LiteLLM and nginx cases start the example hosts files' servers on th
 of CI's parallel part, on the worker that then ran the nginx pair too (77 s)."""
 
 
-class FolderScheduling(LoadFileScheduling):
-    """xdist's `loadfile` scheduling with each of ONE_WORKER_FOLDERS as one file and each of
+class GroupScheduling(LoadFileScheduling):
+    """xdist's `loadfile` scheduling with SHARED_WORKER_MODULES as one file and each of
     SPLIT_MODULES as several. (xdist_group marks would do it, but `--dist loadgroup` does not
     group under pytest 9.2.)"""
 
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]
+        if module in SHARED_WORKER_MODULES:
+            return SHARED_WORKER_MODULES[0]
         for prefix in SPLIT_MODULES.get(module, ()):
             if f"[{prefix}" in nodeid:
                 return f"{module}[{prefix}]"
-        return next((f for f in ONE_WORKER_FOLDERS if module.startswith(f + "/")), module)
+        return module
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> FolderScheduling:
-    """FolderScheduling whatever `--dist` says: spread test by test, the hosts tests collide
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> GroupScheduling:
+    """GroupScheduling whatever `--dist` says: spread test by test, the hosts tests collide
     on their ports."""
-    return FolderScheduling(config, log)
+    return GroupScheduling(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)

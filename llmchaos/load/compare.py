@@ -30,6 +30,7 @@ from llmchaos.load.config import LoadConfig
 from llmchaos.load.profiles import build_profile
 from llmchaos.load.summary import Summary
 from llmchaos.load.timeline import SecondStats
+from llmchaos.plotting import pyplot
 from llmchaos.signals import held
 
 __all__ = [
@@ -327,10 +328,7 @@ def write_outputs(result: ComparisonResult, out: Path) -> list[Path]:
 
 
 def _write_chart(result: ComparisonResult, stem: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     (ax_p99, ax_err), (ax_tok, ax_drop) = axes

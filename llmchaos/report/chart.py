@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmchaos.analysis import Recovery, SecondRecord, Slo, WindowVerdict
+from llmchaos.plotting import pyplot
 
 __all__ = ["ChartMarks", "import_matplotlib_in_background", "write_recovery_chart"]
 
@@ -27,18 +28,11 @@ class ChartMarks:
     recovery: Recovery | None
 
 
-def _import_matplotlib() -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot
-
-
 def import_matplotlib_in_background() -> threading.Thread:
     """Import matplotlib in a thread: 0.7-0.8 s of CPU that the chart would otherwise add to a
     run's finish. The finish starts it while it waits for the load to drain (its process idle
     then); the chart's own import waits for this one where it has not ended yet."""
-    thread = threading.Thread(target=_import_matplotlib, name="llmchaos-import-matplotlib")
+    thread = threading.Thread(target=pyplot, name="llmchaos-import-matplotlib")
     thread.start()
     return thread
 
@@ -52,8 +46,7 @@ def write_recovery_chart(
     title: str,
 ) -> list[Path]:
     """Write `<out_stem>.png` and `<out_stem>.svg`; returns their paths."""
-    _import_matplotlib()
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     def x(ts: float) -> float:
         return ts - marks.origin_ts

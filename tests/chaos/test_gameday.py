@@ -142,8 +142,13 @@ def _check_report_in_chromium(front: Path, tmp_path: Path) -> None:
         page.on("request", lambda r: r.url.startswith(LOCAL_SCHEMES) or calls_out.append(r.url))
         return page
 
+    # chromium's own files (~/.config/chromium, dconf's in ~/.cache) go to the test's folder
+    home = tmp_path / "browser-home"
+    browser_env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM), args=BROWSER_ARGS, env=browser_env
+        )
         try:
             page = new_page()
             # the game day's own page first: score, recovery against the SLA, the trend
