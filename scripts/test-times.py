@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Where a test run's time went, per test file: the JUnit XML files `make test` writes
 (reports/junit/tests.xml, tests-solo.xml, suite.xml) summed by file, slowest first. The
-first part runs on TEST_WORKERS xdist workers (6): its sum is the workers' time, several times
-its wall time.
+first part runs on TEST_WORKERS xdist workers (6, or 4 on a slow machine): its sum is the
+workers' time, several times its wall time.
 
     python3 scripts/test-times.py [reports/junit/tests.xml ...] [--top 30]
 """

@@ -8,9 +8,9 @@ builds settings from an explicit environment without a cap would calibrate this 
 minute of load): `calibrate` is replaced for every test by one that fails saying so, and the
 machine's cached calibration is not read (tests/stack/test_calibration.py tests both).
 
-They run side by side: `make test` runs them on 6 pytest-xdist workers (most of them wait on
-servers rather than use a core), then the `solo` ones alone (the collection hook below says
-which)."""
+They run side by side: `make test` runs them on 6 pytest-xdist workers, 4 on a slow machine
+(scripts/test-workers.py; most of them wait on servers rather than use a core), then the `solo`
+ones alone (the collection hook below says which)."""
 
 from __future__ import annotations
 

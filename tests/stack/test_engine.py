@@ -81,8 +81,10 @@ async def test_decode_step_grows_with_batch_size() -> None:
         alone = await engine.submit(8, 20)
         batch = await asyncio.gather(*(engine.submit(8, 20) for _ in range(32)))
 
-    # A late first-token timer shortens (e2e - ttft): allow 10 ms over the 19 decode steps.
-    assert 0.0045 - 0.010 / 19 <= per_token_s(alone) <= 0.0045 * 1.3 + 0.001
+    # A late first-token timer shortens (e2e - ttft) as the later steps keep their times:
+    # allow 20 ms over the 19 decode steps (beside 6 xdist workers on 2 cores one came 14 ms
+    # late; the per-token time of a batch of 32 below is 4.4x this one's).
+    assert 0.0045 - 0.020 / 19 <= per_token_s(alone) <= 0.0045 * 1.3 + 0.001
     # All 32 are admitted in one prefill step, then decode together: 4 + 0.5 * 32 ms a step.
     for result in batch:
         assert 0.020 * 0.95 <= per_token_s(result) <= 0.020 * 1.2
