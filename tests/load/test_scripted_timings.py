@@ -3,11 +3,19 @@ at once, first content after T ms, then a token every D ms, usage at the end. Di
 through the embedded stack's HAProxy (which must not hold chunks back).
 
 The arbiter is the wire (wire_clock.py): the kernel's times of the request and answer packets
-on the loopback, which no process being scheduled late can move, so the test holds on a busy
-machine too. The load's medians are held within 2 ms or 2% of the wire's (the issue's bound);
-its TTFT and e2e count from the scheduled send, so its median send lag (taken once the
-request is on the socket) is taken off them. On an idle machine the wire is the script within
-a fraction of a millisecond (failures print all three).
+on the loopback, which no process being scheduled late can move. The load's medians are held
+within 2 ms or 2% of the wire's (the issue's bound); its TTFT and e2e count from the scheduled
+send, so its median send lag (taken once the request is on the socket) is taken off them. On
+an idle machine the wire is the script within a fraction of a millisecond (failures print all
+three).
+
+The load reads chunks with the kernel's receive time too, but one read takes what has arrived
+and the kernel stamps it with its last packet's time: a load process kept from its core for
+longer than a token's gap reads two chunks as one. With two busy loops beside it the medians
+held within 1 ms (18 of 18 cases); beside the other tests on 4 xdist workers of a box whose
+hypervisor took up to a core, the load's median ITL read 1.00 ms for 5, twice in a row. So
+the test runs `solo`: it checks the load's clock, not a starved machine's (a chaos run's
+summary says when its machine was short of CPU: `machine CPU`).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from llmchaos.load.traffic import TrafficSpec
 from tests.haproxy_front import haproxy_in_front
 from tests.load.wire_clock import WireClock
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.solo]
 
 TOKENS = 8
 
@@ -100,9 +108,8 @@ def test_load_timings_match_the_wire(
     )
     port = int(server.url.rsplit(":", 1)[1])
     plan = {"ttft": ttft_ms, "itl": itl_ms, "tpot": itl_ms, "e2e": ttft_ms + (TOKENS - 1) * itl_ms}
-    # A miss is measured once more. CI runs this beside five other tests on two cores, and a
-    # burst there once put the load's median TTFT 2.2 ms off the wire's (bound 2 ms); with
-    # two busy loops beside it the medians stay within 1 ms. A bias (a front door that
+    # A miss is measured once more. Beside five other tests on CI's two cores a burst once put
+    # the load's median TTFT 2.2 ms off the wire's (bound 2 ms). A bias (a front door that
     # buffers, a lag not taken off) misses in both runs.
     misses = misses_against_the_wire(port, front, tmp_path / "first", plan)
     if misses:
