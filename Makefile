@@ -25,7 +25,8 @@ export UV_PYTHON_DOWNLOADS := never
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q uv==$(UV_VERSION)
-	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -e '.[dev]'
+	@mkdir -p $(UV_CACHE_DIR)/tmp  # uv leaves a lock file in TMPDIR for each editable build
+	TMPDIR=$(UV_CACHE_DIR)/tmp $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -e '.[dev]'
 	@touch $(STAMP)
 
 # The project's own modules compiled once, for the same reason: tens of stack, load and chaos

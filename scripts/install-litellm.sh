@@ -16,6 +16,8 @@ if [[ -x $VENV/bin/litellm && -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
 fi
 UV=.venv/bin/uv
 export UV_CACHE_DIR=${UV_CACHE_DIR:-$HOME/.cache/llmchaos/uv} UV_PYTHON_DOWNLOADS=never
+export TMPDIR=$UV_CACHE_DIR/tmp  # uv's lock files stay with its cache, not in /tmp
+mkdir -p "$TMPDIR"
 if [[ ! -x $UV ]]; then
   echo "$UV is missing: run make setup (it installs uv into .venv first)" >&2
   exit 1
