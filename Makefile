@@ -21,6 +21,9 @@ system-deps:
 UV_VERSION := $(shell sed -n 's/.*"uv==\([0-9.]*\)".*/\1/p' pyproject.toml)
 export UV_CACHE_DIR ?= $(HOME)/.cache/llmchaos/uv
 export UV_PYTHON_DOWNLOADS := never
+# The system's certificates, as pip uses them: behind a registry proxy with its own CA, uv's
+# bundled roots fail ("invalid peer certificate: UnknownIssuer" here without SSL_CERT_FILE).
+export UV_SYSTEM_CERTS := 1
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -15,7 +15,7 @@ if [[ -x $VENV/bin/litellm && -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
   exit 0
 fi
 UV=.venv/bin/uv
-export UV_CACHE_DIR=${UV_CACHE_DIR:-$HOME/.cache/llmchaos/uv} UV_PYTHON_DOWNLOADS=never
+export UV_CACHE_DIR=${UV_CACHE_DIR:-$HOME/.cache/llmchaos/uv} UV_PYTHON_DOWNLOADS=never UV_SYSTEM_CERTS=1
 export TMPDIR=$UV_CACHE_DIR/tmp  # uv's lock files stay with its cache, not in /tmp
 mkdir -p "$TMPDIR"
 if [[ ! -x $UV ]]; then
