@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-TEST_WORKERS ?= $(shell $(BIN)/python scripts/test-workers.py || echo 6)
+TEST_WORKERS ?= $(shell test -x $(BIN)/python && $(BIN)/python scripts/test-workers.py 2>/dev/null || echo 6)
 NODE_STAMP := node_modules/.installed-stamp
 
 .PHONY: setup system-deps litellm bytecode demo test gameday lint bench clean k8s-bin
@@ -60,7 +60,7 @@ demo: setup
 # were idle half the time, and 6 took the phase from 5:32 to 4:17 where 8 gained nothing), 4 on
 # a machine calibrated under 1,000 QPS (scripts/test-workers.py: on a box 1.6x slower per core
 # 6 starved timing tests, 4 did not; README "Tests"); tests/conftest.py
-# says how they are spread; a worker that dies or is interrupted ends the run, not replaced),
+# says how they are spread; a worker that dies or is interrupted ends the run, not replaced;
 # then the `solo` ones alone; the suite after them: side by side they load two cores
 # enough to move the experiments' timing (an autoscaler scaled out during the warm-up).
 # pytest's exit code 5 (nothing collected) fails here like any other. Each writes its JUnit

@@ -19,7 +19,7 @@ export UV_CACHE_DIR=${UV_CACHE_DIR:-$HOME/.cache/llmchaos/uv} UV_PYTHON_DOWNLOAD
 export TMPDIR=$UV_CACHE_DIR/tmp  # uv's lock files stay with its cache, not in /tmp
 mkdir -p "$TMPDIR"
 if [[ ! -x $UV ]]; then
-  echo "$UV is missing: run make setup (it installs uv into .venv first)" >&2
+  echo "$UV is missing: run rm -f .venv/.installed-stamp && make setup (it installs uv into .venv)" >&2
   exit 1
 fi
 echo "installing LiteLLM into $VENV (760 MB: 20 s from uv's cache, a minute or two without)"

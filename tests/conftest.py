@@ -27,18 +27,25 @@ from llmchaos.targets.embedded.calibration import Calibration
 
 os.environ.setdefault("LLMCHAOS_EMBEDDED_MAX_QPS", "50")
 
-SHARED_WORKER_MODULES = (
-    "tests/k8s/test_target_k8s.py",
-    "tests/k8s/test_cluster_load.py",
-    "tests/k8s/test_deploy.py",
-)
-"""Modules that run on one xdist worker together: they share its control plane (etcd,
-kube-apiserver, controllers, kwok: a session fixture, started once per worker that needs it).
-tests/k8s/test_backend_real.py, the other user, goes to a worker of its own and starts a
-second: on one worker the k8s tests took 290 s of the parallel part's 360-470 s on a slow box,
-and a control plane starts in about 20 s. Every other module runs on one worker, its
-module-scoped stacks started once."""
-SPLIT_MODULES = {"tests/hosts/test_catalogue.py": ("litellm-", "nginx-")}
+K8S = "tests/k8s (one control plane)"
+HOSTS_LITELLM = "tests/hosts (the LiteLLM example's ports)"
+HOSTS_NGINX = "tests/hosts (the nginx example's ports)"
+SHARED_WORKERS = {
+    "tests/k8s/test_target_k8s.py": K8S,
+    "tests/k8s/test_cluster_load.py": K8S,
+    "tests/k8s/test_deploy.py": K8S,
+    "tests/hosts/test_topology.py": HOSTS_LITELLM,
+}
+"""Modules that run on one xdist worker with others of the same name. The k8s ones share its
+control plane (etcd, kube-apiserver, controllers, kwok: a session fixture, started once per
+worker that needs it); tests/k8s/test_backend_real.py, the other user, goes to a worker of
+its own and starts a second: on one worker the k8s tests took 290 s of the parallel part's
+360-470 s on a slow box, and a control plane starts in about 20 s. test_topology validates an
+experiment against the LiteLLM example, whose pre-flight checks that its fixed ports are free.
+Every other module runs on one worker, its module-scoped stacks started once."""
+SPLIT_MODULES = {
+    "tests/hosts/test_catalogue.py": {"litellm-": HOSTS_LITELLM, "nginx-": HOSTS_NGINX},
+}
 """Modules whose tests go to workers by the prefix of their parameter id instead. The hosts
 catalogue's LiteLLM and nginx cases start the example hosts files' servers on their fixed ports
 (experiments/targets/*.yaml), which the two files do not share: LiteLLM's pair alone took 163 s
@@ -46,18 +53,16 @@ of CI's parallel part, on the worker that then ran the nginx pair too (77 s)."""
 
 
 class GroupScheduling(LoadFileScheduling):
-    """xdist's `loadfile` scheduling with SHARED_WORKER_MODULES as one file and each of
-    SPLIT_MODULES as several. (xdist_group marks would do it, but `--dist loadgroup` does not
+    """xdist's `loadfile` scheduling with the modules of SHARED_WORKERS and SPLIT_MODULES
+    grouped by their names. (xdist_group marks would do it, but `--dist loadgroup` does not
     group under pytest 9.2.)"""
 
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]
-        if module in SHARED_WORKER_MODULES:
-            return SHARED_WORKER_MODULES[0]
-        for prefix in SPLIT_MODULES.get(module, ()):
+        for prefix, scope in SPLIT_MODULES.get(module, {}).items():
             if f"[{prefix}" in nodeid:
-                return f"{module}[{prefix}]"
-        return module
+                return scope
+        return SHARED_WORKERS.get(module, module)
 
 
 @pytest.hookimpl(optionalhook=True)

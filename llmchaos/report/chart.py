@@ -7,13 +7,14 @@ second. Written as PNG and SVG by matplotlib (Agg, no display needed).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmchaos.analysis import Recovery, SecondRecord, Slo, WindowVerdict
-from llmchaos.plotting import pyplot
+from llmchaos.plotting import keep_cache_in_llmchaos, pyplot
 
 __all__ = ["ChartMarks", "import_matplotlib_in_background", "write_recovery_chart"]
 
@@ -32,9 +33,15 @@ def import_matplotlib_in_background() -> threading.Thread:
     """Import matplotlib in a thread: 0.7-0.8 s of CPU that the chart would otherwise add to a
     run's finish. The finish starts it while it waits for the load to drain (its process idle
     then); the chart's own import waits for this one where it has not ended yet."""
-    thread = threading.Thread(target=pyplot, name="llmchaos-import-matplotlib")
+    keep_cache_in_llmchaos()
+    thread = threading.Thread(target=_import_quietly, name="llmchaos-import-matplotlib")
     thread.start()
     return thread
+
+
+def _import_quietly() -> None:
+    with contextlib.suppress(Exception):  # the chart's own import reports a failure
+        pyplot()
 
 
 def write_recovery_chart(
