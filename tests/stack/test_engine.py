@@ -70,8 +70,10 @@ async def test_ttft_grows_with_prompt_length_as_the_profile_says() -> None:
 
     for prompt_tokens, ttft_s in ttfts_s.items():
         expected_s = (5.0 + 0.05 * prompt_tokens) / 1000
-        # Absolute slack: a busy machine delays a timer by some milliseconds now and then.
-        assert expected_s * 0.98 <= ttft_s <= expected_s * 1.1 + 0.010, (prompt_tokens, ttft_s)
+        # Absolute slack: a busy machine delays a timer by some milliseconds now and then
+        # (beside the other tests on 4 workers of a box whose hypervisor took up to a core,
+        # 14 ms: 19.8 ms for 5.5).
+        assert expected_s * 0.98 <= ttft_s <= expected_s * 1.1 + 0.020, (prompt_tokens, ttft_s)
     assert ttfts_s[10] < ttfts_s[1000] < ttfts_s[4000]
 
 
