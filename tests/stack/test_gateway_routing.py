@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from llmchaos.stack.gateway.routing import WorkerPool
 from llmchaos.stack.settings import GatewaySettings, UpstreamWorker
 from tests.stack import gateway_fixtures as fx
 from tests.stack.gateway_fixtures import (
@@ -495,3 +496,23 @@ async def test_a_gpu_worker_outrun_by_a_cpu_twin_is_ejected(
         assert (status, headers["X-Serving-Mode"]) == (200, "cpu")
         assert await gw.healthy() == {"gpu": 0, "cpu": 1}
         gpu.hold.set()
+
+
+def test_a_request_in_flight_at_an_ejection_does_not_renew_it() -> None:
+    """A hung worker's requests time out one after another for a first-byte timeout after
+    its first one did. Each renewing the ejection kept it out 6 s past `eject_s` (gpu_hang's
+    known-bad variant then looked recovered before the worker came back): only a request
+    sent after the ejection can eject it again."""
+    hung = UpstreamWorker("gpu-0", "http://127.0.0.1:1", "gpu")
+    pool = WorkerPool(GatewaySettings(workers=(hung,), eject_s=5.0))
+    worker = pool.workers[0]
+    worker.ready = True
+    sent_before = time.monotonic() - 6.0
+    pool.eject(worker, "first_byte_timeout", sent_at=sent_before)
+    first_until = worker.ejected_until
+    assert not worker.healthy(time.monotonic())
+    time.sleep(0.01)
+    pool.eject(worker, "first_byte_timeout", sent_at=sent_before + 0.5)
+    assert worker.ejected_until == first_until
+    pool.eject(worker, "first_byte_timeout", sent_at=time.monotonic())
+    assert worker.ejected_until > first_until

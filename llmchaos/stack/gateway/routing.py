@@ -8,7 +8,8 @@ Rules (also in the gateway's README section):
   A refused connection or a non-ready answer fails a worker at once; timeouts only after
   `health_timeouts_to_fail` in a row (one can be the gateway's own loop lag in a burst).
 - passive health: a request that fails on a worker (connect error, timeout, 5xx, broken
-  stream) ejects it for `eject_s`; an active check that *started after* the ejection and
+  stream) ejects it for `eject_s` (a request sent before its last ejection does not eject it
+  again when it fails: the same outage); an active check that *started after* the ejection and
   passes readmits it early, so a worker restarted by its node agent is back within one health
   interval instead of `eject_s`, unless the worker was ejected for a bad *answer* (a 5xx or a
   broken stream): its /healthz saying ready proves nothing then (a GPU failing after an Xid
@@ -222,6 +223,11 @@ class WorkerPool:
         if not answered and reason.endswith("timeout") and worker.checked_at > sent_at:
             answered = True  # its checks pass while its requests time out: a gray failure
             reason += " while its health checks passed"
+        if not answered and sent_at < worker.ejected_at:
+            # in flight when it was last ejected: the outage already acted on. Each such
+            # timeout renewing the ejection kept a hung worker out 6 s longer than `eject_s`
+            # (Envoy ignores the results an ejected host's requests bring back)
+            return
         if answered:
             if now < worker.ejected_until and worker.bad_answers:
                 return  # sent before its ejection: the same outlier, not a new ejection
