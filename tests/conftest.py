@@ -15,12 +15,14 @@ ones alone (the collection hook below says which)."""
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from xdist.remote import Producer
 from xdist.scheduler import LoadFileScheduling
+from xdist.workermanage import WorkerController
 
 import llmchaos.targets.embedded as embedded
 from llmchaos.targets.embedded.calibration import Calibration
@@ -52,10 +54,46 @@ catalogue's LiteLLM and nginx cases start the example hosts files' servers on th
 of CI's parallel part, on the worker that then ran the nginx pair too (77 s)."""
 
 
+SCOPE_SECONDS = {
+    K8S: 150,
+    "tests/k8s/test_backend_real.py": 130,
+    HOSTS_LITELLM: 90,
+    "tests/chaos/test_gameday.py": 90,
+    "tests/load/test_compare.py": 85,
+    HOSTS_NGINX: 60,
+    "tests/load/test_live.py": 60,
+    "tests/chaos/test_run_layer.py": 55,
+    "tests/stack/test_stack.py": 50,
+    "tests/stack/test_calibration.py": 50,
+    "tests/stack/test_registry.py": 50,
+    "tests/chaos/test_interrupts.py": 45,
+    "tests/hosts/test_faults.py": 45,
+    "tests/load/test_distributed.py": 45,
+}
+"""Worker-seconds of the slowest scopes (`scripts/test-times.py`, a 4-worker run on a slow
+box; 1,370 in all), for their order only: they start first, the rest after them by their
+number of tests (0.3 s each). In xdist's order (most tests first) the LiteLLM pair and the
+game day started last, and one worker ran on for a minute with the other three done: 404 s
+for a part whose 4 workers had 342 s of work each."""
+
+
 class GroupScheduling(LoadFileScheduling):
     """xdist's `loadfile` scheduling with the modules of SHARED_WORKERS and SPLIT_MODULES
-    grouped by their names. (xdist_group marks would do it, but `--dist loadgroup` does not
-    group under pytest 9.2.)"""
+    grouped by their names, the longest first (SCOPE_SECONDS). (xdist_group marks would
+    group them, but `--dist loadgroup` does not group under pytest 9.2.)"""
+
+    _ordered = False
+
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        # the first call comes once the whole queue is built, before anything was sent
+        if not self._ordered:
+            self._ordered = True
+            longest_first = sorted(
+                self.workqueue.items(),
+                key=lambda unit: -SCOPE_SECONDS.get(unit[0], 0.3 * len(unit[1])),
+            )
+            self.workqueue = OrderedDict(longest_first)
+        super()._assign_work_unit(node)
 
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]

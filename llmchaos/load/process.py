@@ -40,6 +40,7 @@ from llmchaos.load.wire import (
     CONNECT_TIMEOUT_ENV,
     CONTROL_MESSAGE,
     LIVE_FILE,
+    LOCAL_START_DELAY_S,
     REPORT_MESSAGE,
     START_DELAY_S,
     START_MESSAGE,
@@ -166,7 +167,8 @@ class Controller:
     def on_test_start(self, **_: Any) -> None:
         if self.aggregate is not None:  # a restart from the web UI keeps the first run
             return
-        start = time.time() + START_DELAY_S
+        remote = isinstance(self.env.runner, MasterRunner)
+        start = time.time() + (START_DELAY_S if remote else LOCAL_START_DELAY_S)
         self.aggregate = Aggregate(
             start, self.duration_s, self.target_qps, goodput=self.config.goodput_slo.defined
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 _YIELD_EVERY = 64
 """When behind schedule, let the loop read answers at least every this many arrivals."""
+_REPORT_LAG_S = 0.05
+"""A periodic report goes this long after its interval's end: the sends due at the end (at
+most a send tick late when on time) are in it."""
 
 
 class WorkerState:
@@ -189,8 +193,14 @@ class OpenLoopLLMUser(User):
             gevent.sleep(0.05)
 
     def _report_loop(self, recorder: Recorder, interval_s: float) -> None:
+        # just after each interval's end counted from time zero, not from this loop's start:
+        # a second's sends are then all in the report that follows it, and the live probes
+        # see it whole at once, whenever the user started before time zero
+        start = WORKER.start_mono
         while True:
-            gevent.sleep(interval_s)
+            elapsed_s = time.monotonic() - start
+            due = start + (math.floor(elapsed_s / interval_s) + 1) * interval_s + _REPORT_LAG_S
+            gevent.sleep(max(0.0, due - time.monotonic()))
             self._send_report(recorder, final=False)
 
     def _send_report(self, recorder: Recorder, final: bool, abandoned: bool = False) -> None:

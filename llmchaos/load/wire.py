@@ -18,6 +18,7 @@ __all__ = [
     "CONNECT_TIMEOUT_ENV",
     "CONTROL_MESSAGE",
     "LIVE_FILE",
+    "LOCAL_START_DELAY_S",
     "REPORT_MESSAGE",
     "START_MESSAGE",
     "START_MESSAGE_WAIT_S",
@@ -40,6 +41,10 @@ REPORT_MESSAGE = "llmchaos_report"
 """worker -> master: a Recorder.take_report() delta."""
 START_DELAY_S = 1.0
 """Time zero is this far after the master's test_start, so every worker is ready for it."""
+LOCAL_START_DELAY_S = 0.5
+"""Time zero after test_start for a load with no worker processes: its one user is in the
+same process and got its start message handler at init, so the start reaches it at once
+(half a second less of every chaos run's start)."""
 START_MESSAGE_WAIT_S = 30.0
 """How long a worker's user waits for the start message before giving up."""
 LIVE_FILE = "live.json"
