@@ -18,18 +18,13 @@ system-deps:
 # ~/.cache/llmchaos/uv: both venvs took 109 s with pip, which keeps no cache here, and 42 s with
 # uv's warm (most of it compiling bytecode: with PYTHONDONTWRITEBYTECODE set, as on this
 # machine, a package without it is compiled again by every process that imports it).
+# scripts/uv runs it with the project's settings (cache, certificates, no Python downloads).
 UV_VERSION := $(shell sed -n 's/.*"uv==\([0-9.]*\)".*/\1/p' pyproject.toml)
-export UV_CACHE_DIR ?= $(HOME)/.cache/llmchaos/uv
-export UV_PYTHON_DOWNLOADS := never
-# The system's certificates, as pip uses them: behind a registry proxy with its own CA, uv's
-# bundled roots fail ("invalid peer certificate: UnknownIssuer" here without SSL_CERT_FILE).
-export UV_SYSTEM_CERTS := 1
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q uv==$(UV_VERSION)
-	@mkdir -p $(UV_CACHE_DIR)/tmp  # uv leaves a lock file in TMPDIR for each editable build
-	TMPDIR=$(UV_CACHE_DIR)/tmp $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -e '.[dev]'
+	scripts/uv pip install -q --python $(BIN)/python --compile-bytecode -e '.[dev]'
 	@touch $(STAMP)
 
 # The project's own modules compiled once, for the same reason: tens of stack, load and chaos

@@ -9,11 +9,9 @@ suite calibrates it after the tests)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from llmchaos.settings import RunSettings
-from llmchaos.targets.embedded import EmbeddedSettings
-from llmchaos.targets.embedded.calibration import cached_calibration
+from llmchaos.targets.embedded import EmbeddedSettings, machine_calibration
 
 WORKERS = 6
 SLOW_BOX_WORKERS = 4
@@ -23,7 +21,7 @@ SLOW_BOX_QPS = 1000.0
 def workers_for_this_machine() -> int:
     settings = RunSettings.from_configuration({}, {**os.environ, "LLMCHAOS_TARGET": "embedded"})
     assert isinstance(settings.target_settings, EmbeddedSettings)
-    calibration = cached_calibration(Path(settings.target_settings.calibration_file).expanduser())
+    calibration = machine_calibration(settings.target_settings)
     if calibration is not None and calibration.qps < SLOW_BOX_QPS:
         return SLOW_BOX_WORKERS
     return WORKERS

@@ -46,7 +46,14 @@ from llmchaos.targets.embedded.calibration import (
 )
 from llmchaos.targets.embedded.target import EmbeddedTarget, planned_info
 
-__all__ = ["KIND", "REFERENCE_QPS", "EmbeddedKind", "EmbeddedSettings", "EmbeddedTarget"]
+__all__ = [
+    "KIND",
+    "REFERENCE_QPS",
+    "EmbeddedKind",
+    "EmbeddedSettings",
+    "EmbeddedTarget",
+    "machine_calibration",
+]
 
 
 LAYOUT_FIELDS = ("gpu_workers", "gpus_per_node", "cpu_workers", "active_gateways")
@@ -200,14 +207,14 @@ class EmbeddedKind(TargetKind):
         embedded = _embedded(settings)
         if embedded.embedded_max_qps is not None:
             return embedded.embedded_max_qps
-        calibration = _cached(embedded)
+        calibration = machine_calibration(embedded)
         return REFERENCE_QPS if calibration is None else calibration.qps
 
     def prepare(self, settings: TargetSettings, progress: Callable[[str], None]) -> bool:
         embedded = _embedded(settings)
         if embedded.embedded_max_qps is not None:
             return False
-        if _cached(embedded) is not None:
+        if machine_calibration(embedded) is not None:
             return False
         _measure(embedded, progress)
         return True
@@ -220,7 +227,7 @@ class EmbeddedKind(TargetKind):
         progress: Callable[[str], None],
     ) -> str | None:
         embedded = _embedded(settings)
-        calibration = None if measure == "again" else _cached(embedded)
+        calibration = None if measure == "again" else machine_calibration(embedded)
         if calibration is None and measure != "never":
             calibration = _measure(embedded, progress)
         if calibration is None:
@@ -288,7 +295,7 @@ class EmbeddedKind(TargetKind):
                 "embedded_max_qps: load, stack and faults share this machine's cores; set "
                 "LLMCHAOS_EMBEDDED_MAX_QPS to change it"
             )
-        if _cached(embedded) is None:
+        if machine_calibration(embedded) is None:
             return (
                 f"this machine is not calibrated yet ({embedded.calibration_file}): the "
                 "reference layout's rate until a run or `llmchaos calibrate` measures it"
@@ -361,7 +368,9 @@ def _calibration_path(embedded: EmbeddedSettings) -> Path:
     return Path(embedded.calibration_file).expanduser()
 
 
-def _cached(embedded: EmbeddedSettings) -> Calibration | None:
+def machine_calibration(embedded: EmbeddedSettings) -> Calibration | None:
+    """This machine's calibration cached in `embedded.calibration_file`; None when there is
+    none yet, or it was measured on another machine or version (calibration.py)."""
     return cached_calibration(_calibration_path(embedded))
 
 
