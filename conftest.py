@@ -55,7 +55,7 @@ CI_RUN_ENV = {
     "LLMCHAOS_DEGRADED_FOR_S": "6",
     "LLMCHAOS_STEP_S": "5",
     "LLMCHAOS_HOLD_S": "12",
-    "LLMCHAOS_FIRST_LOAD_S": "0.5",
+    "LLMCHAOS_FIRST_LOAD_S": "0.1",
 }
 """Shorter phases when CI is set: the SLO judged over 3-s windows instead of 5 (4,200 requests each
 at 1,400 QPS), so 5 s of warm-up instead of 8 still leaves the load's first 2 s out of the
@@ -64,15 +64,15 @@ of 2.3 s on a 1.4 s run, and a window over it once failed CI's steady state befo
 3.2 s), and recovery is confirmed by 5 windows in a row that meet the SLO instead of 10 (7 s of
 requests instead of 14: a relapse later than that goes unseen under CI, as one later than 14 s
 does in a full run; with 3 windows, 5 s, gpu_hang's known-bad variant passed between two of its
-hung worker's ejections); the stack's first model loads 0.5 s instead of 2 (a restart's, what
-the faults measure, stays gpu_load_s); the registry down 5 s instead of 15 (the gateways read it
-every 0.25 s); the autoscaling pulse watched 20 s (the limit is 15) and held 10 s once scaled
-out, the scale-down window 8 s; the degradation watch 15 s (the queue passes 1,000 within a
-second) and 6 s of the overload in degraded mode; the stepped load's steps 5 s instead of 20
-(3.5 s of each judged, at 200-1,200 QPS 700-4,200 requests; both variants kept their verdicts,
-as at 7 s, and the pair took 101 s instead of 120);
-cpu_throttle's throttle held 12 s instead of 20 (its known-bad variant misses the SLO from 5 s
-in, and fails its no-failure probe whatever the hold)."""
+hung worker's ejections); the stack's first model loads 0.1 s instead of 2 (a restart's, what
+the faults measure, stays gpu_load_s; a stack for 400 QPS started in 2.3 s instead of 2.6); the
+registry down 5 s instead of 15 (the gateways read it every 0.25 s); the autoscaling pulse
+watched 20 s (the limit is 15) and held 10 s once scaled out, the scale-down window 8 s; the
+degradation watch 15 s (the queue passes 1,000 within a second) and 6 s of the overload in
+degraded mode; the stepped load's steps 5 s instead of 20 (3.5 s of each judged, at 200-1,200
+QPS 700-4,200 requests; both variants kept their verdicts, as at 7 s, and the pair took 101 s
+instead of 120); cpu_throttle's throttle held 12 s instead of 20 (its known-bad variant misses
+the SLO from 5 s in, and fails its no-failure probe whatever the hold)."""
 
 
 def ci_run_env() -> dict[str, str]:
