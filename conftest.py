@@ -41,6 +41,8 @@ TMP_ROOT = REPO / "reports" / "pytest"
 ALLURE_RESULTS = REPO / "reports" / "allure-results"
 """Where `pytest suites/` writes Allure results (emptied first) unless --alluredir says
 otherwise; `llmchaos gameday` keeps its own per night."""
+SUITE_RAN = pytest.StashKey[bool]()
+"""Set when the session has resilience suite cases (its last lines then say their rate)."""
 SUITE_ENV = "LLMCHAOS_SUITE_DIR"
 """Folder for the suite's run folders (llmchaos gameday sets it); default reports/suites/<time>."""
 CI_RUN_ENV = {
@@ -148,6 +150,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from suites.catalogue import calibrate_target  # the suites import this module
 
         calibrate_target()
+        session.config.stash[SUITE_RAN] = True
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """After the resilience suite, the rate its cases ran at (suites.catalogue.target_rate)."""
+    if terminalreporter.config.stash.get(SUITE_RAN, False):
+        from suites.catalogue import target_rate
+
+        terminalreporter.write_line(f"catalogue rate: {target_rate()}")
 
 
 def _set_basetemp(config: pytest.Config) -> None:

@@ -24,7 +24,7 @@ from llmchaos.settings import RunSettings
 from llmchaos.targets import DEFAULT_VARIANT, target_kind
 from llmchaos.validation import ExperimentMeta, experiment_meta, validate_experiment_file
 
-__all__ = ["Case", "calibrate_target", "cases", "check_case"]
+__all__ = ["Case", "calibrate_target", "cases", "check_case", "target_rate"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,22 @@ def calibrate_target() -> None:
     settings = RunSettings.from_configuration({}, os.environ)
     assert settings.target_settings is not None
     target_kind(settings.target).prepare(settings.target_settings, progress=print)
+
+
+def target_rate() -> str:
+    """The rate the cases run at and where it comes from, for the session's last lines (a CI
+    log's tail shows it: how fast its machine was)."""
+    settings = RunSettings.from_configuration({}, os.environ)
+    assert settings.target_settings is not None
+    kind = target_kind(settings.target)
+    qps = kind.max_qps(settings.target_settings)
+    if qps is None:
+        return f"the {settings.target} target: each experiment's own qps"
+    source = kind.max_qps_source(settings.target_settings)
+    return (
+        f"the {settings.target} target at {qps:g} QPS ({source}), or an experiment's own "
+        "rate cap where it sets one"
+    )
 
 
 def check_case(case: Case, run_experiment: ExperimentRunner) -> None:
