@@ -24,7 +24,7 @@ UV_VERSION := $(shell sed -n 's/.*"uv==\([0-9.]*\)".*/\1/p' pyproject.toml)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q uv==$(UV_VERSION)
-	scripts/uv pip install -q --python $(BIN)/python --compile-bytecode -e '.[dev]'
+	VENV=$(VENV) scripts/uv pip install -q --python $(BIN)/python --compile-bytecode -e '.[dev]'
 	@touch $(STAMP)
 
 # The project's own modules compiled once, for the same reason: tens of stack, load and chaos

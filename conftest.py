@@ -153,7 +153,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         session.config.stash[SUITE_RAN] = True
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
+@pytest.hookimpl(trylast=True)  # after the durations: a CI log's tail shows it
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """After the resilience suite, the rate its cases ran at (suites.catalogue.target_rate)."""
     if terminalreporter.config.stash.get(SUITE_RAN, False):
         from suites.catalogue import target_rate

@@ -21,7 +21,7 @@ from conftest import ExperimentRunner, report_outcome
 from llmchaos.errors import InvalidInput
 from llmchaos.runner import failure_message
 from llmchaos.settings import RunSettings
-from llmchaos.targets import DEFAULT_VARIANT, target_kind
+from llmchaos.targets import DEFAULT_VARIANT, TargetSettings, target_kind
 from llmchaos.validation import ExperimentMeta, experiment_meta, validate_experiment_file
 
 __all__ = ["Case", "calibrate_target", "cases", "check_case", "target_rate"]
@@ -65,35 +65,38 @@ def _target() -> str:
     return os.environ.get("LLMCHAOS_TARGET", "embedded")
 
 
-def _target_variants() -> tuple[str, ...]:
-    """The variants of the target the suite runs against (a cluster has only its default)."""
+def _target_settings() -> tuple[str, TargetSettings]:
+    """The suite's target (LLMCHAOS_TARGET) and its settings from the environment."""
     settings = RunSettings.from_configuration({}, os.environ)
     assert settings.target_settings is not None
-    return target_kind(settings.target).variants(settings.target_settings)
+    return settings.target, settings.target_settings
+
+
+def _target_variants() -> tuple[str, ...]:
+    """The variants of the target the suite runs against (a cluster has only its default)."""
+    target, settings = _target_settings()
+    return target_kind(target).variants(settings)
 
 
 def calibrate_target() -> None:
     """Measure this machine's rate for the target before the first case (the root conftest's
     pytest_collection_finish), when it is not cached and no cap is given (the embedded
     stack; nothing for a cluster), so no case's time includes it."""
-    settings = RunSettings.from_configuration({}, os.environ)
-    assert settings.target_settings is not None
-    target_kind(settings.target).prepare(settings.target_settings, progress=print)
+    target, settings = _target_settings()
+    target_kind(target).prepare(settings, progress=print)
 
 
 def target_rate() -> str:
     """The rate the cases run at and where it comes from, for the session's last lines (a CI
     log's tail shows it: how fast its machine was)."""
-    settings = RunSettings.from_configuration({}, os.environ)
-    assert settings.target_settings is not None
-    kind = target_kind(settings.target)
-    qps = kind.max_qps(settings.target_settings)
+    target, settings = _target_settings()
+    kind = target_kind(target)
+    qps = kind.max_qps(settings)
     if qps is None:
-        return f"the {settings.target} target: each experiment's own qps"
-    source = kind.max_qps_source(settings.target_settings)
+        return f"the {target} target: each experiment's own qps"
     return (
-        f"the {settings.target} target at {qps:g} QPS ({source}), or an experiment's own "
-        "rate cap where it sets one"
+        f"the {target} target at {qps:g} QPS ({kind.max_qps_source(settings)}), or an "
+        "experiment's own rate cap where it sets one"
     )
 
 

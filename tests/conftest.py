@@ -71,8 +71,8 @@ SCOPE_SECONDS = {
     "tests/load/test_distributed.py": 45,
 }
 """Worker-seconds of the slowest scopes (`scripts/test-times.py`, a 4-worker run on a slow
-box; 1,370 in all), for their order only: they start first, the rest after them by their
-number of tests (0.3 s each). In xdist's order (most tests first) the LiteLLM pair and the
+box; 1,370 in all), for their order only: the longest start first, a scope not listed
+counting 0.3 s a test. In xdist's order (most tests first) the LiteLLM pair and the
 game day started last, and one worker ran on for a minute with the other three done: 404 s
 for a part whose 4 workers had 342 s of work each."""
 
@@ -82,10 +82,11 @@ class GroupScheduling(LoadFileScheduling):
     grouped by their names, the longest first (SCOPE_SECONDS). (xdist_group marks would
     group them, but `--dist loadgroup` does not group under pytest 9.2.)"""
 
-    _ordered = False
+    _ordered: bool = False
 
     def _assign_work_unit(self, node: WorkerController) -> None:
-        # the first call comes once the whole queue is built, before anything was sent
+        # xdist 3.8's schedule() calls it first once the whole queue is built, before it
+        # sends anything (a unit requeued after a worker died later goes to the end)
         if not self._ordered:
             self._ordered = True
             longest_first = sorted(

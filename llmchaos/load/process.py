@@ -167,8 +167,8 @@ class Controller:
     def on_test_start(self, **_: Any) -> None:
         if self.aggregate is not None:  # a restart from the web UI keeps the first run
             return
-        remote = isinstance(self.env.runner, MasterRunner)
-        start = time.time() + (START_DELAY_S if remote else LOCAL_START_DELAY_S)
+        with_workers = isinstance(self.env.runner, MasterRunner)
+        start = time.time() + (START_DELAY_S if with_workers else LOCAL_START_DELAY_S)
         self.aggregate = Aggregate(
             start, self.duration_s, self.target_qps, goodput=self.config.goodput_slo.defined
         )

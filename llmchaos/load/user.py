@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 _YIELD_EVERY = 64
 """When behind schedule, let the loop read answers at least every this many arrivals."""
 _REPORT_LAG_S = 0.05
-"""A periodic report goes this long after its interval's end: the sends due at the end (at
-most a send tick late when on time) are in it."""
+"""A periodic report goes this long after its `report_interval_s` ends: the sends due at the
+end (at most a send tick late when on time, and `send_tick_ms` is 1) are in it."""
 
 
 class WorkerState:

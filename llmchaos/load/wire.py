@@ -20,6 +20,7 @@ __all__ = [
     "LIVE_FILE",
     "LOCAL_START_DELAY_S",
     "REPORT_MESSAGE",
+    "START_DELAY_S",
     "START_MESSAGE",
     "START_MESSAGE_WAIT_S",
     "config_from_options",

@@ -499,10 +499,10 @@ async def test_a_gpu_worker_outrun_by_a_cpu_twin_is_ejected(
 
 
 def test_a_request_in_flight_at_an_ejection_does_not_renew_it() -> None:
-    """A hung worker's requests time out one after another for a first-byte timeout after
-    its first one did. Each renewing the ejection kept it out 6 s past `eject_s` (gpu_hang's
-    known-bad variant then looked recovered before the worker came back): only a request
-    sent after the ejection can eject it again."""
+    """A hung worker's requests time out one after another, for a first-byte timeout after
+    its first one did. Each renewing the ejection kept it out that much past `eject_s`
+    (gpu_hang's known-bad variant then looked recovered before the worker came back): only
+    a request sent after the ejection ejects it again, during it or after its end."""
     hung = UpstreamWorker("gpu-0", "http://127.0.0.1:1", "gpu")
     pool = WorkerPool(GatewaySettings(workers=(hung,), eject_s=5.0))
     worker = pool.workers[0]
@@ -514,5 +514,9 @@ def test_a_request_in_flight_at_an_ejection_does_not_renew_it() -> None:
     time.sleep(0.01)
     pool.eject(worker, "first_byte_timeout", sent_at=sent_before + 0.5)
     assert worker.ejected_until == first_until
+    worker.ejected_until = 0.0  # its ejection over (its time, or a passing check)
+    pool.eject(worker, "first_byte_timeout", sent_at=sent_before + 1.0)
+    assert worker.healthy(time.monotonic())
     pool.eject(worker, "first_byte_timeout", sent_at=time.monotonic())
+    assert not worker.healthy(time.monotonic())
     assert worker.ejected_until > first_until

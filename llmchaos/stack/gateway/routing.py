@@ -8,21 +8,21 @@ Rules (also in the gateway's README section):
   A refused connection or a non-ready answer fails a worker at once; timeouts only after
   `health_timeouts_to_fail` in a row (one can be the gateway's own loop lag in a burst).
 - passive health: a request that fails on a worker (connect error, timeout, 5xx, broken
-  stream) ejects it for `eject_s` (a request sent before its last ejection does not eject it
-  again when it fails: the same outage); an active check that *started after* the ejection and
-  passes readmits it early, so a worker restarted by its node agent is back within one health
-  interval instead of `eject_s`, unless the worker was ejected for a bad *answer* (a 5xx or a
-  broken stream): its /healthz saying ready proves nothing then (a GPU failing after an Xid
-  error), so it stays out for `eject_s` times the number of such ejections in a row (Envoy's
-  outlier detection, with successful_active_health_check_uneject_host off); a run of them is
-  forgotten once the worker stays clean as long as its last ejection lasted. A request that
-  timed out while an active check of the same worker passed counts as a bad answer too: the
-  worker answers its checks but not its requests (a slow or lossy link, a gray failure), and
-  readmitting it on the next check would send it requests to time out again and again. So
-  does a worker outrun by a hedge that another worker answered within `hedge_after_s`
-  (proxy.py). Such gray ejections stop at `max_ejection_ratio` of a mode's workers out at
-  once, dead ones included (no cap by default: settings.py says why).
-  Without `passive_ejection` (a known-bad variant) nothing is ejected.
+  stream) ejects it for `eject_s` (a request that got no answer and was sent before its last
+  ejection does not eject it again: the same outage); an active check that *started after* the
+  ejection and passes readmits it early, so a worker restarted by its node agent is back
+  within one health interval instead of `eject_s`, unless the worker was ejected for a bad
+  *answer* (a 5xx or a broken stream): its /healthz saying ready proves nothing then (a GPU
+  failing after an Xid error), so it stays out for `eject_s` times the number of such
+  ejections in a row (Envoy's outlier detection, with
+  successful_active_health_check_uneject_host off); a run of them is forgotten once the worker
+  stays clean as long as its last ejection lasted. A request that timed out while an active
+  check of the same worker passed counts as a bad answer too: the worker answers its checks
+  but not its requests (a slow or lossy link, a gray failure), and readmitting it on the next
+  check would send it requests to time out again and again. So does a worker outrun by a hedge
+  that another worker answered within `hedge_after_s` (proxy.py). Such gray ejections stop at
+  `max_ejection_ratio` of a mode's workers out at once, dead ones included (no cap by default:
+  settings.py says why). Without `passive_ejection` (a known-bad variant) nothing is ejected.
 - capacity: a worker can take a request while outstanding < max_num_seqs * (1 + ratio), ratio
   = `worker_queue_allowance_ratio` for gpu workers, `cpu_queue_allowance_ratio` (0) for cpu
   ones (max_num_seqs read from /healthz).
@@ -224,9 +224,10 @@ class WorkerPool:
             answered = True  # its checks pass while its requests time out: a gray failure
             reason += " while its health checks passed"
         if not answered and sent_at < worker.ejected_at:
-            # in flight when it was last ejected: the outage already acted on. Each such
-            # timeout renewing the ejection kept a hung worker out 6 s longer than `eject_s`
-            # (Envoy ignores the results an ejected host's requests bring back)
+            # in flight when it was last ejected, whether that ejection has ended or not: the
+            # outage already acted on. Each such timeout renewing the ejection kept a hung
+            # worker out a first-byte timeout longer than `eject_s`, long enough to look
+            # recovered between two of its turns
             return
         if answered:
             if now < worker.ejected_until and worker.bad_answers:
