@@ -61,21 +61,11 @@ def cases(folder: Path) -> list[Case]:
     return found
 
 
-def _target() -> str:
-    return os.environ.get("LLMCHAOS_TARGET", "embedded")
-
-
 def _target_settings() -> tuple[str, TargetSettings]:
     """The suite's target (LLMCHAOS_TARGET) and its settings from the environment."""
     settings = RunSettings.from_configuration({}, os.environ)
     assert settings.target_settings is not None
     return settings.target, settings.target_settings
-
-
-def _target_variants() -> tuple[str, ...]:
-    """The variants of the target the suite runs against (a cluster has only its default)."""
-    target, settings = _target_settings()
-    return target_kind(target).variants(settings)
 
 
 def calibrate_target() -> None:
@@ -113,8 +103,10 @@ def check_case(case: Case, run_experiment: ExperimentRunner) -> None:
             + "\n  ".join(problems or ["unreadable llmchaos extension"]),
             pytrace=False,
         )
-    if not case.must_pass and case.variant not in _target_variants():
-        pytest.skip(f"the {_target()} target has no known-bad variant {case.variant!r}")
+    target, settings = _target_settings()
+    # a cluster has only its default variant
+    if not case.must_pass and case.variant not in target_kind(target).variants(settings):
+        pytest.skip(f"the {target} target has no known-bad variant {case.variant!r}")
     allure.dynamic.feature(case.meta.fault_type)
     allure.dynamic.severity(case.meta.severity)
     allure.dynamic.tag("negative-control" if not case.must_pass else "default")
