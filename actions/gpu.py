@@ -25,11 +25,12 @@ def kill_gpu_process(worker: str = "", node: str = "") -> list[dict[str, Any]]:
     return faults.kill_gpu_process(current_run(), worker, node)
 
 
-def hang_gpu_process(worker: str = "", node: str = "") -> list[dict[str, Any]]:
+def hang_gpu_process(worker: str = "", node: str = "", hold_s: float = 0.0) -> list[dict[str, Any]]:
     """SIGSTOP the process holding a GPU (of `worker`, or of each GPU worker on `node`): it
     hangs with its port open, so only health checks with a timeout see it. Resumed (SIGCONT)
-    by resume_gpu_process or at the run's end. Returns [{"worker", "pid"}]."""
-    return faults.hang_gpu_process(current_run(), worker, node)
+    by resume_gpu_process or at the run's end. `hold_s`: a recovery counts only once its
+    stable run outlasts this much of the hang. Returns [{"worker", "pid"}]."""
+    return faults.hang_gpu_process(current_run(), worker, node, hold_s)
 
 
 def resume_gpu_process(worker: str = "", node: str = "") -> list[str]:

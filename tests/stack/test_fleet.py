@@ -263,6 +263,27 @@ def test_auto_lays_out_a_fleet_past_the_reference_rate(
     assert sized == fleet
 
 
+@pytest.mark.parametrize(("calibrated_qps", "gpu_workers"), [(1400, 32), (400, 14)])
+def test_a_fleet_can_be_planned_with_more_headroom(calibrated_qps: float, gpu_workers: int) -> None:
+    """kv_cache_surge's layout: 1,000 QPS asked, at most the machine's rate, on GPUs planned at
+    45% of their saturation with a node lost: the 32 GPUs it laid out by hand at 1,000 QPS,
+    and as many per QPS (28-31) on a machine calibrated at 400. The default 60% is fewer."""
+    configuration = {"qps": 1000, "embedded_max_qps": calibrated_qps, "fleet_for_qps": True}
+    planned = RunSettings.from_configuration(
+        {**configuration, "fleet_target_utilization": 0.45}, {}
+    ).target_settings
+    default = RunSettings.from_configuration(configuration, {}).target_settings
+    assert isinstance(planned, EmbeddedSettings) and isinstance(default, EmbeddedSettings)
+    assert (planned.gpu_workers, planned.gpus_per_node, planned.active_gateways) == (
+        gpu_workers,
+        2,
+        2,
+    )
+    assert default.gpu_workers < planned.gpu_workers
+    with pytest.raises(InvalidInput, match="fleet_target_utilization"):
+        RunSettings.from_configuration({**configuration, "fleet_target_utilization": 0}, {})
+
+
 @pytest.mark.parametrize("qps", [100, 1000])
 def test_a_variant_without_the_backup_gateway_gets_one_gateway_in_a_fleet(qps: float) -> None:
     """no-backup-gateway's known fault is that nothing stands in for a crashed gateway: in a
@@ -297,7 +318,7 @@ def test_the_fleet_for_short_requests_is_sized_on_their_lengths() -> None:
         ({"gpu_workers": 32}, ["active_gateways at 1"]),  # the fleet's GPUs, one gateway
         ({"active_gateways": 2}, ["gpu_workers at 2"]),
         ({"gpu_workers": 4, "active_gateways": 2, "cpu_workers": 1}, []),  # an overload, set
-        ({"gpu_workers": 32, "gpus_per_node": 2, "active_gateways": 2}, []),  # kv_cache_surge's
+        ({"gpu_workers": 32, "gpus_per_node": 2, "active_gateways": 2}, []),  # laid out in full
         ({"gpu_workers": 32, "variant": "no-backup-gateway"}, []),  # one gateway is its fault
         ({}, []),  # the fleet
         ({"embedded_max_qps": 50, "gpu_workers": 1}, []),  # the reference rate

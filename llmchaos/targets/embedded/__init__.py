@@ -86,6 +86,10 @@ class EmbeddedSettings(TargetSettings):
     `autoscale`. None (auto): a fleet when the rate is past `REFERENCE_QPS` (what the
     reference layout, two GPU nodes of one, carries with one lost) and those fields and
     `autoscale` are at their defaults; false: the reference layout at any rate."""
+    fleet_target_utilization: float = FleetSettings.target_utilization
+    """Share of a GPU's saturation a fleet laid out for the rate plans it to carry with a node
+    lost (llmchaos.stack.fleet): lower for an experiment whose fault needs the engines'
+    headroom, as kv_cache_surge's long prompts do."""
     gpu_load_s: float = 10.0
     """Model-load time of a GPU worker after a restart: the not-ready gap a GPU kill opens. A
     7B model on Kubernetes takes ~45 s (seed); 10 s keeps runs short and still longer than
@@ -168,6 +172,7 @@ class EmbeddedSettings(TargetSettings):
         "gateway_read_timeout_s": Range(0, 3600, low_open=True),
         "gateway_hedge_after_s": Range(0, 3600),
         "gpu_max_num_seqs": Range(1, 4096),
+        "fleet_target_utilization": FleetSettings.RANGES["target_utilization"],
         "autoscale_min_replicas": Range(1, 64),
         "autoscale_target_utilization": Range(0, 100, low_open=True),
         "autoscale_sync_s": Range(0, 3600, low_open=True),
@@ -347,9 +352,11 @@ def _fields_set_by_hand(embedded: EmbeddedSettings) -> list[str]:
 
 
 def _plan_fleet(embedded: EmbeddedSettings, qps: float, traffic: TrafficSpec) -> FleetLayout:
-    """plan_fleet for `qps` of `traffic` on GPUs with this stack's batch size."""
+    """plan_fleet for `qps` of `traffic` on GPUs with this stack's batch size and planned
+    utilisation."""
     gpu = dataclasses.replace(GPU_PROFILE, max_num_seqs=embedded.gpu_max_num_seqs)
-    return plan_fleet(qps, _traffic_shape(traffic), FleetSettings(gpu_profile=gpu))
+    fleet = FleetSettings(target_utilization=embedded.fleet_target_utilization, gpu_profile=gpu)
+    return plan_fleet(qps, _traffic_shape(traffic), fleet)
 
 
 def _traffic_shape(traffic: TrafficSpec) -> TrafficShape:
