@@ -685,6 +685,11 @@ def registry_has_leader(run: ChaosRun) -> bool:
     return True
 
 
+_SHARE_WINDOWS = 3
+"""Windows worker_share_after_fault tries before it gives up on a worker that does not answer
+both reads of its counters."""
+
+
 def worker_share_after_fault(
     run: ChaosRun, worker: str, window_s: float = 0.0, of_fair_share: bool = False
 ) -> float:
@@ -692,9 +697,13 @@ def worker_share_after_fault(
     window by default) that `worker` took: did routing shift load away from it? From the
     engines' own metrics: finished (vllm:request_success) plus in the engine (running and
     waiting), whose difference over the window counts arrivals even when an engine falls
-    behind. `of_fair_share`: as a multiple of 1/N, N the target's GPU workers (1: as much as
-    any, 0: none), which means the same at any fleet size. 0 before any fault (nothing to
-    judge yet), so it can sit in the steady-state hypothesis."""
+    behind. Only workers whose counters answered at both ends of the window count; when
+    `worker`'s did not, another window is measured, and after _SHARE_WINDOWS it raises
+    NotMeasured (a throttled worker can take longer than the read's timeout to answer, and
+    counting it as having taken nothing would pass the very routing that keeps feeding it).
+    `of_fair_share`: as a multiple of 1/N, N the target's GPU workers (1: as much as any, 0:
+    none), which means the same at any fleet size. 0 before any fault (nothing to judge yet),
+    so it can sit in the steady-state hypothesis."""
     window_s = as_number("window_s", window_s) or run.settings.window_s
     if window_s < 0:
         raise InvalidInput(f"window_s: expected seconds >= 0, got {window_s}")
@@ -703,23 +712,33 @@ def worker_share_after_fault(
     if run.last_fault_ts() is None:
         return 0.0
     gpus = {w.name for w in info.workers if w.mode == "gpu"}
-    before = run.target.requests_taken()
-    if before is None:
-        raise InvalidInput(
-            f"worker_share_after_fault: the {run.settings.target} target "
-            "cannot read its engines' request counters"
+    for _ in range(_SHARE_WINDOWS):
+        before = run.target.requests_taken()
+        if before is None:
+            raise InvalidInput(
+                f"worker_share_after_fault: the {run.settings.target} target "
+                "cannot read its engines' request counters"
+            )
+        time.sleep(window_s)
+        after = run.target.requests_taken() or {}
+        done = {w: after[w] - before[w] for w in gpus if w in before and w in after}
+        if name in done:
+            break
+        log.info("llmchaos: %s's counters did not answer both reads: measured again", name)
+    else:
+        raise NotMeasured(
+            f"worker_share_after_fault: {name}'s engine did not answer both reads of its "
+            f"request counters in {_SHARE_WINDOWS} windows of {window_s:g} s (throttled, "
+            "partitioned or dead): its share of the traffic is unknown"
         )
-    time.sleep(window_s)
-    after = run.target.requests_taken() or {}
-    done = {w: after.get(w, 0.0) - before.get(w, after.get(w, 0.0)) for w in gpus}
     total = sum(max(0.0, n) for n in done.values())
-    share = max(0.0, done.get(name, 0.0)) / total if total else 0.0
+    share = max(0.0, done[name]) / total if total else 0.0
     log.info(
         "llmchaos: %s finished %.0f of %.0f requests of %d GPU workers in %g s",
         name,
-        done.get(name, 0.0),
+        done[name],
         total,
-        len(gpus),
+        len(done),
         window_s,
     )
     return round(share * len(gpus) if of_fair_share else share, 4)

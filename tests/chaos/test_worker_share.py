@@ -67,3 +67,25 @@ def test_before_any_fault_the_share_is_zero_without_reading() -> None:
 def test_a_target_without_engine_counters_says_so() -> None:
     with pytest.raises(InvalidInput, match="cannot read its engines' request counters"):
         measure.worker_share_after_fault(_run([None]), "gpu-0", 0.01)
+
+
+def _without(reading: dict[str, float], worker: str) -> dict[str, float]:
+    return {name: n for name, n in reading.items() if name != worker}
+
+
+def test_a_worker_that_misses_a_read_is_measured_again() -> None:
+    """A throttled gpu-0 whose counters missed the read after the window (0.5 s timeout) once
+    counted 0 - before, clamped to 0: its known-bad variant passed with a share of 0 (CI,
+    2026-12-07). Now that window is measured again; a peer that misses a read is left out of
+    both."""
+    before, after = _taken(1000, 1000), _taken(1100, 1050)
+    readings = [before, _without(after, "gpu-0"), _without(before, "gpu-3"), after]
+    got = measure.worker_share_after_fault(_run(readings), "gpu-0", 0.01, True)
+    assert got == round(50 / (50 + 6 * 100) * 8, 4)
+
+
+def test_a_worker_that_never_answers_both_reads_has_no_share() -> None:
+    before = _taken(1000, 1000)
+    readings = [before, _without(before, "gpu-0")] * measure._SHARE_WINDOWS
+    with pytest.raises(measure.NotMeasured, match="gpu-0's engine did not answer both reads"):
+        measure.worker_share_after_fault(_run(readings), "gpu-0", 0.01)

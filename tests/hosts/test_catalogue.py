@@ -31,8 +31,9 @@ pytestmark = pytest.mark.slow
 # The cpu_throttle cases run alone (`solo`): how LiteLLM routes around a slowed deployment
 # depends on how slow it gets. Beside the other tests (4 xdist workers) the shuffle variant
 # passed once, gpu-0's share under 30%, where it had 38-50% with two busy loops beside it:
-# the run's files were lost, the likely cause its requests passing LiteLLM's 6-s timeout and
-# the first failure cooling it down (allowed_fails 0) for 10 s.
+# the run's files were lost. Alone in CI (2026-12-07) it passed with a share of 0: gpu-0's
+# counters missed the read after the window, which counted as 0 requests (since fixed in
+# measure.worker_share_after_fault); the first pass may have been the same.
 #
 # 1% of a CPU (1 ms per 100 ms) barely slows a worker taking half of LiteLLM's 8 QPS: its
 # median answer stayed as fast, and latency-based routing sent it 0-40% of the requests from
