@@ -20,10 +20,10 @@ Vocabulary (DESIGN.md):
   is the start of the first window of that run — the moment from which the requests were
   fine again. recovery time = t1 - t0, never negative; 0 when no window after the fault
   missed the SLO before the run started. A fault that keeps acting by itself for a while (a
-  surge of `duration_s`, or a throttle held for `hold_s`) is recovered from only by a run
-  that lasts until the fault stops (its last window starts at that moment or later): its
-  harm may build up slowly, and a run that ended before it did would say recovered about a
-  fault still under way.
+  surge of `duration_s`, or a throttle or a hang held for `hold_s`) is recovered from only by
+  a run that lasts until the fault stops (its last window starts at that moment or later):
+  its harm may build up slowly, or come back when a gateway readmits a hung worker, and a run
+  that ended before it did would say recovered about a fault still under way.
 
 Windows are keyed by the second a request was *scheduled* in (open-loop load), so a request
 that waited out a stall counts where it was due, not where it finished.

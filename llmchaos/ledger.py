@@ -82,9 +82,9 @@ class FaultEntry:
     lasts_s: float = 0.0
     """How long the fault keeps acting after `at` by itself (a surge or a burst of
     `duration_s`, longer once an `acted_until` says its last answer came later), or how much
-    of a fault that acts until undone a recovery must outlast (throttle_cpu's `hold_s`); 0:
-    its action is the whole of it (a kill), or it acts until undone and any stable run
-    counts."""
+    of a fault that acts until undone a recovery must outlast (the `hold_s` of throttle_cpu or
+    hang_gpu_process); 0: its action is the whole of it (a kill), or it acts until undone and
+    any stable run counts."""
     state: str = "inject"
     """inject (written, action not finished), injected, failed, undone."""
     details: dict[str, Any] = field(default_factory=dict)

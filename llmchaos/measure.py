@@ -68,7 +68,8 @@ class NotRecovered(LLMChaosError):
 
 class NotMeasured(LLMChaosError):
     """What a probe of the hypothesis judges did not happen during the method (a trigger
-    that never fired, a queue that never drained)."""
+    that never fired, a queue that never drained), or could not be read (a worker's counters
+    that never answered)."""
 
 
 DEGRADED_COUNTER = "service_degraded_total"
@@ -712,7 +713,7 @@ def worker_share_after_fault(
     if run.last_fault_ts() is None:
         return 0.0
     gpus = {w.name for w in info.workers if w.mode == "gpu"}
-    for _ in range(_SHARE_WINDOWS):
+    for attempt in range(1, _SHARE_WINDOWS + 1):
         before = run.target.requests_taken()
         if before is None:
             raise InvalidInput(
@@ -724,7 +725,8 @@ def worker_share_after_fault(
         done = {w: after[w] - before[w] for w in gpus if w in before and w in after}
         if name in done:
             break
-        log.info("llmchaos: %s's counters did not answer both reads: measured again", name)
+        if attempt < _SHARE_WINDOWS:
+            log.info("llmchaos: %s's counters did not answer both reads: measured again", name)
     else:
         raise NotMeasured(
             f"worker_share_after_fault: {name}'s engine did not answer both reads of its "

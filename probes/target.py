@@ -138,5 +138,6 @@ def worker_share_after_fault(
     that `worker` took (finished plus in the engine, from vLLM's metrics): did routing shift
     load away from a slow or failing worker? `of_fair_share`: as a multiple of 1/N, N the
     target's GPU workers (1: as much as any), the same at any fleet size. 0 before any fault,
-    so it can sit in the steady-state hypothesis."""
+    so it can sit in the steady-state hypothesis. Fails when `worker`'s counters did not
+    answer both reads of a window in 3 windows (its share is unknown)."""
     return measure.worker_share_after_fault(current_run(), worker, window_s, of_fair_share)

@@ -265,9 +265,10 @@ def test_auto_lays_out_a_fleet_past_the_reference_rate(
 
 @pytest.mark.parametrize(("calibrated_qps", "gpu_workers"), [(1400, 32), (400, 14)])
 def test_a_fleet_can_be_planned_with_more_headroom(calibrated_qps: float, gpu_workers: int) -> None:
-    """kv_cache_surge's layout: 1,000 QPS asked, at most the machine's rate, on GPUs planned at
-    45% of their saturation with a node lost: the 32 GPUs it laid out by hand at 1,000 QPS,
-    and as many per QPS (28-31) on a machine calibrated at 400. The default 60% is fewer."""
+    """kv_cache_surge's layout: 1,000 QPS asked, at most the machine's rate (embedded_max_qps
+    stands in for a calibration), on GPUs planned at 45% of their saturation with a node lost:
+    the 32 GPUs it laid out by hand at 1,000 QPS, and 28.6 QPS a GPU, about its 31.25, on a
+    machine calibrated at 400. The default 60% lays out fewer."""
     configuration = {"qps": 1000, "embedded_max_qps": calibrated_qps, "fleet_for_qps": True}
     planned = RunSettings.from_configuration(
         {**configuration, "fleet_target_utilization": 0.45}, {}

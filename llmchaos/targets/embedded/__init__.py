@@ -89,7 +89,8 @@ class EmbeddedSettings(TargetSettings):
     fleet_target_utilization: float = FleetSettings.target_utilization
     """Share of a GPU's saturation a fleet laid out for the rate plans it to carry with a node
     lost (llmchaos.stack.fleet): lower for an experiment whose fault needs the engines'
-    headroom, as kv_cache_surge's long prompts do."""
+    headroom, as kv_cache_surge's long prompts do. Only read when a fleet is laid out
+    (`fleet_for_qps`)."""
     gpu_load_s: float = 10.0
     """Model-load time of a GPU worker after a restart: the not-ready gap a GPU kill opens. A
     7B model on Kubernetes takes ~45 s (seed); 10 s keeps runs short and still longer than
