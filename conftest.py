@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import allure
 import pytest
@@ -23,12 +23,14 @@ from hypothesis import settings as hypothesis_settings
 
 from llmchaos.processes import stat_fields
 from llmchaos.runner import ExperimentOutcome
-from llmchaos.runner import run_experiment as run_chaos_experiment
 from llmchaos.signals import install, raise_on_interrupt
 from llmchaos.stack.config import StackConfig
 from llmchaos.stack.netns import check_netns_support
 from llmchaos.stack.stack import start_stack, stop_stack
 from llmchaos.stack.topology import Topology
+
+if TYPE_CHECKING:
+    from suites.catalogue import SuiteRuns
 
 REPO = Path(__file__).resolve().parent
 TEST_STACK_CONFIG = StackConfig(port=0, gpu_load_s=1.5, cpu_load_s=0.5, ready_timeout_s=60)
@@ -46,7 +48,7 @@ SUITE_RAN = pytest.StashKey[bool]()
 SUITE_ENV = "LLMCHAOS_SUITE_DIR"
 """Folder for the suite's run folders (llmchaos gameday sets it); default reports/suites/<time>."""
 CI_RUN_ENV = {
-    "LLMCHAOS_WARMUP_S": "5",
+    "LLMCHAOS_WARMUP_S": "4",
     "LLMCHAOS_WINDOW_S": "3",
     "LLMCHAOS_STABLE_FOR_S": "5",
     "LLMCHAOS_REGISTRY_DOWN_S": "5",
@@ -60,11 +62,12 @@ CI_RUN_ENV = {
     "LLMCHAOS_FIRST_LOAD_S": "0.1",
 }
 """Shorter phases when CI is set: the SLO judged over 3-s windows instead of 5 (4,200 requests each
-at 1,400 QPS), so 5 s of warm-up instead of 8 still leaves the load's first 2 s out of the
-window judged before the method (its first second, cold connections at the full rate, had a P99
-of 2.3 s on a 1.4 s run, and a window over it once failed CI's steady state before any fault at
-3.2 s), and recovery is confirmed by 5 windows in a row that meet the SLO instead of 10 (7 s of
-requests instead of 14: a relapse later than that goes unseen under CI, as one later than 14 s
+at 1,400 QPS), so 4 s of warm-up instead of 8 still leaves the load's first second out of the
+window judged before the method (that second, cold connections at the full rate, had a P99 of
+2.3 s on a 1.4 s run, and a window over it once failed CI's steady state before any fault at
+3.2 s; at 400 QPS its P99 was that of the seconds after it in all 40 cases of a suite), and
+recovery is confirmed by 5 windows in a row that meet the SLO instead of 10 (7 s of requests
+instead of 14: a relapse later than that goes unseen under CI, as one later than 14 s
 does in a full run; with 3 windows, 5 s, gpu_hang's known-bad variant passed between two of its
 hung worker's ejections); the stack's first model loads 0.1 s instead of 2 (a restart's, what
 the faults measure, stays gpu_load_s; a stack for 400 QPS started in 2.3 s instead of 2.6); the
@@ -339,16 +342,25 @@ def suite_dir() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def suite_runs(suite_dir: Path, request: pytest.FixtureRequest) -> Iterator[SuiteRuns]:
+    """The session's chaos runs (suites.catalogue.SuiteRuns), each started while the one
+    before it reports, except on an xdist worker (the next test may be another worker's)."""
+    from suites.catalogue import SuiteRuns  # the suites import this module
+
+    runs = SuiteRuns(suite_dir, ahead=not hasattr(request.config, "workerinput"))
+    try:
+        yield runs
+    finally:
+        runs.close()
+
+
 @pytest.fixture
-def run_experiment(suite_dir: Path, request: pytest.FixtureRequest) -> ExperimentRunner:
+def run_experiment(suite_runs: SuiteRuns, request: pytest.FixtureRequest) -> ExperimentRunner:
     """Run an experiment file against a variant through `chaos run`, in its own folder."""
 
     def run(path: Path, variant: str, env: Mapping[str, str]) -> ExperimentOutcome:
-        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in request.node.name)
-        extra_env = {**ci_run_env(), **env}
-        return run_chaos_experiment(
-            path, variant=variant, runs_root=suite_dir / name, extra_env=extra_env
-        )
+        return suite_runs.run(request.node, path, variant, env)
 
     return run
 

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,21 @@ from llmchaos.report.summary import RunResult
 from llmchaos.run import RUN_FILE, finish_dead_runs
 from llmchaos.signals import held
 
-__all__ = ["ExperimentOutcome", "failure_message", "run_experiment"]
+__all__ = [
+    "MEASURED_PHASES",
+    "ExperimentOutcome",
+    "StartedExperiment",
+    "failure_message",
+    "run_experiment",
+    "start_experiment",
+]
 
 _TERM_GRACE_S = 90.0
 """After SIGTERM, how long the control may take to undo, report and stop the stack."""
+_POLL_S = 0.2
+"""How often a run that someone waits to see measured is looked at (its run.json)."""
+MEASURED_PHASES = frozenset({"report", "stopping-target", "ended"})
+"""run.json phases after the run's load stopped: it draws its report and stops its target."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,20 @@ def run_experiment(
     timeout_s: float = 900.0,
 ) -> ExperimentOutcome:
     """`chaos run` `experiment` against `variant`, its run folder under `runs_root`."""
+    return start_experiment(
+        experiment, variant=variant, runs_root=runs_root, extra_env=extra_env
+    ).wait(timeout_s)
+
+
+def start_experiment(
+    experiment: Path,
+    *,
+    variant: str,
+    runs_root: Path,
+    extra_env: dict[str, str] | None = None,
+) -> StartedExperiment:
+    """Start `chaos run` `experiment` against `variant`, its run folder under `runs_root`;
+    `wait()` on what it returns for the outcome."""
     runs_root.mkdir(parents=True, exist_ok=True)
     journal_path = runs_root / "journal.json"
     log_path = runs_root / "chaos.log"
@@ -78,33 +104,79 @@ def run_experiment(
         "LLMCHAOS_RUNS_ROOT": str(runs_root),
         "LLMCHAOS_VARIANT": variant,
     }
-    started = time.monotonic()
-    timed_out = False
-    with log_path.open("w") as log:
+    with log_path.open("w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+    return StartedExperiment(experiment, variant, runs_root, proc, time.monotonic())
+
+
+@dataclass
+class StartedExperiment:
+    """A `chaos run` under way (start_experiment)."""
+
+    experiment: Path
+    variant: str
+    runs_root: Path
+    process: subprocess.Popen[bytes]
+    started_s: float
+    """time.monotonic() at its start."""
+
+    def measured(self) -> bool:
+        """Whether the run measures nothing more: its load has stopped (run.json's phase is
+        one of MEASURED_PHASES), or it has ended."""
+        if self.process.poll() is not None:
+            return True
+        run_dir = _run_dir(self.runs_root)
+        data = read_json_object(run_dir / RUN_FILE) if run_dir is not None else None
+        return (data or {}).get("phase") in MEASURED_PHASES
+
+    def wait(
+        self, timeout_s: float = 900.0, on_measured: Callable[[], None] | None = None
+    ) -> ExperimentOutcome:
+        """Wait for the run's end (SIGTERM, then SIGKILL and cleanup, `timeout_s` after its
+        start) and collect its outcome; `on_measured()` is called once, as soon as the run
+        measures nothing more (measured()). A KeyboardInterrupt, or an error in `on_measured`,
+        stops the run first."""
+        deadline_s = self.started_s + timeout_s
+        timed_out = False
         try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            code = _stop(proc, runs_root)
-        except KeyboardInterrupt:  # its own session: the run would go on without us
-            with held("stopping the experiment"):
-                _stop(proc, runs_root)
+            while True:
+                if on_measured is not None and self.measured():
+                    on_measured, callback = None, on_measured
+                    callback()
+                remaining_s = max(0.0, deadline_s - time.monotonic())
+                try:
+                    code = self.process.wait(
+                        timeout=min(remaining_s, _POLL_S) if on_measured else remaining_s
+                    )
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline_s:
+                        timed_out = True
+                        code = _stop(self.process, self.runs_root)
+                        break
+        except BaseException:  # a Ctrl-C: in its own session, the run would go on without us
+            self.stop()
             raise
-    run_dir = _run_dir(runs_root)
-    return ExperimentOutcome(
-        experiment=experiment,
-        variant=variant,
-        exit_code=code,
-        journal=read_json_object(journal_path),
-        result=_read_result(run_dir),
-        run_dir=run_dir,
-        log_path=log_path,
-        duration_s=round(time.monotonic() - started, 1),
-        timed_out=timed_out,
-    )
+        run_dir = _run_dir(self.runs_root)
+        return ExperimentOutcome(
+            experiment=self.experiment,
+            variant=self.variant,
+            exit_code=code,
+            journal=read_json_object(self.runs_root / "journal.json"),
+            result=_read_result(run_dir),
+            run_dir=run_dir,
+            log_path=self.runs_root / "chaos.log",
+            duration_s=round(time.monotonic() - self.started_s, 1),
+            timed_out=timed_out,
+        )
+
+    def stop(self) -> None:
+        """Stop the run as a signal would (its control undoes, reports and stops its stack),
+        finishing it from outside if it does not end; no KeyboardInterrupt cuts this short."""
+        with held("stopping the experiment"):
+            _stop(self.process, self.runs_root)
 
 
 def _stop(proc: subprocess.Popen[bytes], runs_root: Path) -> int:

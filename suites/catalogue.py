@@ -5,26 +5,38 @@ proves nothing.
 
 A broken experiment file is one failing case that says what is wrong, not a collection error
 for the whole suite.
+
+The cases' runs follow each other with no gap (SuiteRuns): once a run's load has stopped, the
+next case's run starts while this one draws its report and stops its stack, so the next run's
+chaos process and stack start meanwhile, and its load starts after this run has ended.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import allure
 import pytest
 
-from conftest import ExperimentRunner, report_outcome
+from conftest import ExperimentRunner, ci_run_env, report_outcome
 from llmchaos.errors import InvalidInput
-from llmchaos.runner import failure_message
+from llmchaos.runner import (
+    ExperimentOutcome,
+    StartedExperiment,
+    failure_message,
+    start_experiment,
+)
 from llmchaos.settings import RunSettings
 from llmchaos.targets import DEFAULT_VARIANT, TargetSettings, target_kind
 from llmchaos.validation import ExperimentMeta, experiment_meta, validate_experiment_file
 
-__all__ = ["Case", "calibrate_target", "cases", "check_case", "target_rate"]
+__all__ = ["Case", "SuiteRuns", "calibrate_target", "cases", "check_case", "target_rate"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,85 @@ def cases(folder: Path) -> list[Case]:
     return found
 
 
+@dataclass(frozen=True)
+class _PlannedRun:
+    """One case's `chaos run`: what start_experiment is given."""
+
+    experiment: Path
+    variant: str
+    runs_root: Path
+    env: tuple[tuple[str, str], ...]
+
+    def start(self) -> StartedExperiment:
+        return start_experiment(
+            self.experiment,
+            variant=self.variant,
+            runs_root=self.runs_root,
+            extra_env=dict(self.env),
+        )
+
+
+class SuiteRuns:
+    """The suite's chaos runs, each in `suite_dir`/<test name>, with the CI phases when CI is
+    set (conftest.ci_run_env). With `ahead`, once a run has measured everything (its load
+    stopped), the next test's run is started if that test is a case that check_case runs
+    (valid, its variant on the target), and that test then waits for it instead of starting
+    its own. Stopping a session between the two stops the run started ahead (close())."""
+
+    def __init__(self, suite_dir: Path, ahead: bool) -> None:
+        self.suite_dir = suite_dir
+        self.ahead = ahead
+        self._started: tuple[_PlannedRun, StartedExperiment] | None = None
+
+    def run(
+        self, item: pytest.Item, experiment: Path, variant: str, env: Mapping[str, str]
+    ) -> ExperimentOutcome:
+        """`chaos run` `experiment` on `variant` for the test `item`, or take the run started
+        for it ahead; wait for its outcome."""
+        planned = self._plan(item, experiment, variant, env)
+        started = self._take(planned) or planned.start()
+        on_measured = functools.partial(self._start_next, item) if self.ahead else None
+        return started.wait(on_measured=on_measured)
+
+    def close(self) -> None:
+        """Stop a run started ahead for a test that did not come (the session ended)."""
+        self._take(None)
+
+    def _plan(
+        self, item: pytest.Item, experiment: Path, variant: str, env: Mapping[str, str]
+    ) -> _PlannedRun:
+        folder = "".join(c if c.isalnum() or c in "-_." else "_" for c in item.name)
+        return _PlannedRun(
+            experiment,
+            variant,
+            self.suite_dir / folder,
+            tuple(sorted({**ci_run_env(), **env}.items())),
+        )
+
+    def _start_next(self, item: pytest.Item) -> None:
+        items = item.session.items
+        position = items.index(item) + 1
+        following = items[position] if position < len(items) else None
+        callspec = getattr(following, "callspec", None)
+        case = callspec.params.get("case") if callspec is not None else None
+        if following is None or not isinstance(case, Case) or _no_run(case) is not None:
+            return
+        planned = self._plan(following, case.path, case.variant, {})
+        self._started = (planned, planned.start())
+
+    def _take(self, planned: _PlannedRun | None) -> StartedExperiment | None:
+        """The run started ahead when it is `planned`; one that is not is stopped and its
+        folder removed (its test never asked for it)."""
+        started, self._started = self._started, None
+        if started is None:
+            return None
+        if started[0] == planned:
+            return started[1]
+        started[1].stop()
+        shutil.rmtree(started[0].runs_root, ignore_errors=True)
+        return None
+
+
 def _target_settings() -> tuple[str, TargetSettings]:
     """The suite's target (LLMCHAOS_TARGET) and its settings from the environment."""
     settings = RunSettings.from_configuration({}, os.environ)
@@ -90,23 +181,35 @@ def target_rate() -> str:
     )
 
 
+def _no_run(case: Case) -> tuple[bool, str] | None:
+    """Why check_case starts no chaos run for `case`: (True, why) fails the test, (False,
+    why) skips it; None: it runs one."""
+    problems = validate_experiment_file(case.path)
+    if problems or case.meta is None:
+        return True, (
+            f"framework error: {case.path.name} is not a valid experiment:\n  "
+            + "\n  ".join(problems or ["unreadable llmchaos extension"])
+        )
+    target, settings = _target_settings()
+    # a cluster has only its default variant
+    if not case.must_pass and case.variant not in target_kind(target).variants(settings):
+        return False, f"the {target} target has no known-bad variant {case.variant!r}"
+    return None
+
+
 def check_case(case: Case, run_experiment: ExperimentRunner) -> None:
     """Run `case` through `chaos run` and fail the test unless it reached its verdict."""
     expectation = "must pass" if case.must_pass else "known-bad: must fail"
     allure.dynamic.title(f"{case.path.stem} on {case.variant} ({expectation})")
     allure.dynamic.story(case.path.stem)
-    problems = validate_experiment_file(case.path)
-    if problems or case.meta is None:
+    no_run = _no_run(case)
+    if no_run is not None:
+        fails, why = no_run
+        if not fails:
+            pytest.skip(why)
         allure.dynamic.feature("invalid experiment")
-        pytest.fail(
-            f"framework error: {case.path.name} is not a valid experiment:\n  "
-            + "\n  ".join(problems or ["unreadable llmchaos extension"]),
-            pytrace=False,
-        )
-    target, settings = _target_settings()
-    # a cluster has only its default variant
-    if not case.must_pass and case.variant not in target_kind(target).variants(settings):
-        pytest.skip(f"the {target} target has no known-bad variant {case.variant!r}")
+        pytest.fail(why, pytrace=False)
+    assert case.meta is not None
     allure.dynamic.feature(case.meta.fault_type)
     allure.dynamic.severity(case.meta.severity)
     allure.dynamic.tag("negative-control" if not case.must_pass else "default")

@@ -53,6 +53,10 @@ __all__ = ["Controller"]
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
+_DRAIN_TICK_S = 0.05
+"""The master's tick once the schedule has ended or a stop came (which also ends a tick): the
+last share's final report is then seen within 50 ms instead of 0.5 s, and every chaos run's
+finish waits for it."""
 _OWNER_CHECK_S = 1.0
 """How often the master checks that the owner process is still there (one /proc read)."""
 START_RESEND_S = 5.0
@@ -365,7 +369,10 @@ class Controller:
         slack_s = self.config.drain_s + 3 * self.config.report_interval_s + 2.0
         deadline_s = self.duration_s + slack_s
         while True:
-            gevent.sleep(_TICK_S)
+            if self.state == "running":
+                self.stop_requested.wait(_TICK_S)
+            else:
+                gevent.sleep(_DRAIN_TICK_S)
             self._check_workers()
             self._count_lost()
             self._write_timeline(agg.final_lines())

@@ -232,6 +232,57 @@ def test_an_interrupted_game_day_stops_its_running_experiment(tmp_path: Path) ->
     assert leftovers(stack_id).empty, leftovers(stack_id).summary()
 
 
+@pytest.mark.slow
+def test_the_next_case_starts_while_one_reports_and_a_session_ending_then_stops_it(
+    tmp_path: Path,
+) -> None:
+    """suites.catalogue.SuiteRuns: once a case's load has stopped, the next case's run starts
+    while the first draws its report; a session that ends then (here -x after the first case
+    failed: its P99 SLO is 1 ms) stops the run started ahead and removes its folder, and
+    neither run leaves anything behind."""
+    suite, stacks = tmp_path / "suite", tmp_path / "stacks"
+    first = suite / "test_experiment_gpu_kill_default_hardened__"
+    ahead = suite / "test_experiment_gpu_kill_negative_no-failover__"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "pytest", "suites", "-m", "resilience", "-x"),
+            *("-k", "gpu_kill and not all and not qps", "-p", "no:cacheprovider"),
+            *("--alluredir", str(tmp_path / "allure")),
+        ],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "CI": "1",
+            "LLMCHAOS_SUITE_DIR": str(suite),
+            "LLMCHAOS_STACKS_ROOT": str(stacks),
+            "LLMCHAOS_P99_SLO_MS": "1",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    stack_ids: set[str] = set()
+    first_phase_when_ahead_began = None
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            stack_ids |= {p.name for p in stacks.glob("*") if p.is_dir()}
+            if first_phase_when_ahead_began is None and list(ahead.glob("*/run.json")):
+                first_run = json.loads(next(first.glob("*/run.json")).read_text())
+                first_phase_when_ahead_began = first_run["phase"]
+            time.sleep(0.05)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        stop_gracefully(proc)
+    assert proc.returncode == 1, out[-3000:]
+    assert "1 failed" in out.splitlines()[-1], out[-3000:]
+    assert first_phase_when_ahead_began in ("report", "stopping-target"), out[-3000:]
+    assert not ahead.exists(), "the run started ahead for a test that never came is removed"
+    assert len(stack_ids) == 2, stack_ids
+    for stack_id in stack_ids:
+        assert leftovers(stack_id).empty, leftovers(stack_id).summary()
+
+
 def _wait_for_file(folder: Path, pattern: str, proc: subprocess.Popen[str]) -> Path:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -14,23 +14,43 @@ and leaves it as it found it, but for the faults it undoes.
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from llmchaos.errors import InvalidInput
 from llmchaos.processes import Owner
 from llmchaos.targets import Target, TargetInfo, TargetKind, TargetSettings
-from llmchaos.targets.kubernetes.load_workers import (
-    LOAD_WORKER_QPS,
-    load_workers_for,
-    worker_deployment,
-)
 from llmchaos.targets.kubernetes.selectors import parse_selector, selector_matches
 from llmchaos.targets.kubernetes.settings import (
     PROTECTED_NAMESPACES,
     KubernetesSettings,
     check_settings,
 )
-from llmchaos.targets.kubernetes.target import KubernetesTarget
+
+if TYPE_CHECKING:
+    from llmchaos.targets.kubernetes.load_workers import (
+        LOAD_WORKER_QPS,
+        load_workers_for,
+        worker_deployment,
+    )
+    from llmchaos.targets.kubernetes.target import KubernetesTarget
+
+_CLIENT_SIDE = {
+    "KubernetesTarget": "llmchaos.targets.kubernetes.target",
+    "LOAD_WORKER_QPS": "llmchaos.targets.kubernetes.load_workers",
+    "load_workers_for": "llmchaos.targets.kubernetes.load_workers",
+    "worker_deployment": "llmchaos.targets.kubernetes.load_workers",
+}
+"""Names imported on first use: every run reads every kind's settings keys, and the official
+client's import (0.2 s of CPU) is then paid by the runs that reach a cluster only."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _CLIENT_SIDE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "KIND",
@@ -75,6 +95,8 @@ class KubernetesKind(TargetKind):
 
     def open(self, settings: TargetSettings, owner: Owner) -> Target:
         assert isinstance(settings, KubernetesSettings), settings
+        from llmchaos.targets.kubernetes.target import KubernetesTarget
+
         return KubernetesTarget(settings)
 
     def reattach(self, settings: TargetSettings, record: dict[str, Any]) -> Target:
