@@ -137,6 +137,9 @@ class ChaosRun:
     """Where the run is (starting-target, warming-up, method, report, ...): in run.json, so a
     report rebuilt after a kill can say where the run died."""
     started_at: float = field(default_factory=time.time)
+    target_stopped_at: float | None = None
+    """When stop_target() returned: from then on the run only reports and exits (a suite
+    starts its next run then)."""
     surge: LongPromptSurge | None = None
     """The long-prompt surge sent beside the load, if one was started."""
     load_cpu_start: CpuSample | None = None
@@ -144,6 +147,8 @@ class ChaosRun:
     """This machine's spare CPU from the load's start to its stop (llmchaos.machine)."""
     _surge_fault_id: int = 0
     """The ledger id of the surge's fault: where stop_surge writes when it stopped acting."""
+    _state_lock: threading.Lock = field(default_factory=threading.Lock)
+    """run.json is written from the finish's two threads (the report, the target's stop)."""
 
     load_factory: ClassVar[Callable[[LoadConfig], LoadRun]] = LoadRun.start
     """How the load starts: a Locust process of its own (the run layer's tests give it a
@@ -168,6 +173,10 @@ class ChaosRun:
 
     def write_state(self, status: str, **extra: Any) -> None:
         """(Re)write run.json: owner pid, status, phase, what was started."""
+        with self._state_lock:  # what a thread set before it got here is in the last write
+            self._write_state(status, **extra)
+
+    def _write_state(self, status: str, **extra: Any) -> None:
         data = {
             "pid": os.getpid(),
             "pid_start_ticks": start_ticks(os.getpid()),
@@ -181,6 +190,7 @@ class ChaosRun:
             "load_start_ts": self.load_start_ts,
             "qps_run": self.settings.effective_qps,
             "started_at": self.started_at,
+            "target_stopped_at": self.target_stopped_at,
             "interrupted_because": self.interrupted_because,
             "notes": self.notes,
             "settings": self.settings.to_dict(),
@@ -502,6 +512,9 @@ class ChaosRun:
         if self.backend is not None:
             log.info("llmchaos: closing the %s target", self.settings.target)
             self.backend.close()
+        self.target_stopped_at = time.time()
+        if not self.finished:
+            self.write_state("running")
 
     def close(self, status: str) -> None:
         """Mark the run ended and no longer current."""

@@ -28,7 +28,6 @@ from llmchaos.run import RUN_FILE, finish_dead_runs
 from llmchaos.signals import held
 
 __all__ = [
-    "MEASURED_PHASES",
     "ExperimentOutcome",
     "StartedExperiment",
     "failure_message",
@@ -39,9 +38,7 @@ __all__ = [
 _TERM_GRACE_S = 90.0
 """After SIGTERM, how long the control may take to undo, report and stop the stack."""
 _POLL_S = 0.2
-"""How often a run that someone waits to see measured is looked at (its run.json)."""
-MEASURED_PHASES = frozenset({"report", "stopping-target", "ended"})
-"""run.json phases after the run's load stopped: it draws its report and stops its target."""
+"""How often the run.json of a run whose target's stop someone waits for is read."""
 
 
 @dataclass(frozen=True)
@@ -122,33 +119,33 @@ class StartedExperiment:
     started_s: float
     """time.monotonic() at its start."""
 
-    def measured(self) -> bool:
-        """Whether the run measures nothing more: its load has stopped (run.json's phase is
-        one of MEASURED_PHASES), or it has ended."""
+    def target_stopped(self) -> bool:
+        """Whether the run has stopped its load and then its target (run.json's
+        `target_stopped_at`: all it still does is finish its report and exit), or has ended."""
         if self.process.poll() is not None:
             return True
         run_dir = _run_dir(self.runs_root)
         data = read_json_object(run_dir / RUN_FILE) if run_dir is not None else None
-        return (data or {}).get("phase") in MEASURED_PHASES
+        return (data or {}).get("target_stopped_at") is not None
 
     def wait(
-        self, timeout_s: float = 900.0, on_measured: Callable[[], None] | None = None
+        self, timeout_s: float = 900.0, on_target_stopped: Callable[[], None] | None = None
     ) -> ExperimentOutcome:
         """Wait for the run's end (SIGTERM, then SIGKILL and cleanup, `timeout_s` after its
-        start) and collect its outcome; `on_measured()` is called once, as soon as the run
-        measures nothing more (measured()). A KeyboardInterrupt, or an error in `on_measured`,
-        stops the run first."""
+        start) and collect its outcome; `on_target_stopped()` is called once, as soon as
+        target_stopped(). A KeyboardInterrupt, or an error in `on_target_stopped`, stops the
+        run first."""
         deadline_s = self.started_s + timeout_s
         timed_out = False
         try:
             while True:
-                if on_measured is not None and self.measured():
-                    on_measured, callback = None, on_measured
+                if on_target_stopped is not None and self.target_stopped():
+                    on_target_stopped, callback = None, on_target_stopped
                     callback()
                 remaining_s = max(0.0, deadline_s - time.monotonic())
                 try:
                     code = self.process.wait(
-                        timeout=min(remaining_s, _POLL_S) if on_measured else remaining_s
+                        timeout=min(remaining_s, _POLL_S) if on_target_stopped else remaining_s
                     )
                     break
                 except subprocess.TimeoutExpired:

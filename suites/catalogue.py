@@ -6,9 +6,9 @@ proves nothing.
 A broken experiment file is one failing case that says what is wrong, not a collection error
 for the whole suite.
 
-The cases' runs follow each other with no gap (SuiteRuns): once a run's load has stopped, the
-next case's run starts while this one draws its report and stops its stack, so the next run's
-chaos process and stack start meanwhile, and its load starts after this run has ended.
+The cases' runs follow each other with no gap (SuiteRuns): once a run has stopped its load and
+its stack, the next case's run starts (its chaos process and its stack) while the first
+finishes its report and exits; the next run's load starts seconds after that.
 """
 
 from __future__ import annotations
@@ -93,10 +93,11 @@ class _PlannedRun:
 
 class SuiteRuns:
     """The suite's chaos runs, each in `suite_dir`/<test name>, with the CI phases when CI is
-    set (conftest.ci_run_env). With `ahead`, once a run has measured everything (its load
-    stopped), the next test's run is started if that test is a case that check_case runs
-    (valid, its variant on the target), and that test then waits for it instead of starting
-    its own. Stopping a session between the two stops the run started ahead (close())."""
+    set (conftest.ci_run_env). With `ahead`, once a run has stopped its load and its target
+    (StartedExperiment.target_stopped), the next test's run is started if that test is a
+    case that check_case runs (valid, its variant on the target), and that test then waits
+    for it instead of starting its own. A session that ends between the two stops the run
+    started ahead (close())."""
 
     def __init__(self, suite_dir: Path, ahead: bool) -> None:
         self.suite_dir = suite_dir
@@ -110,8 +111,8 @@ class SuiteRuns:
         for it ahead; wait for its outcome."""
         planned = self._plan(item, experiment, variant, env)
         started = self._take(planned) or planned.start()
-        on_measured = functools.partial(self._start_next, item) if self.ahead else None
-        return started.wait(on_measured=on_measured)
+        next_run = functools.partial(self._start_next, item) if self.ahead else None
+        return started.wait(on_target_stopped=next_run)
 
     def close(self) -> None:
         """Stop a run started ahead for a test that did not come (the session ended)."""
