@@ -55,7 +55,7 @@ CI_RUN_ENV = {
     "LLMCHAOS_SCALE_OUT_WATCH_S": "20",
     "LLMCHAOS_PULSE_HOLD_S": "10",
     "LLMCHAOS_AUTOSCALE_SCALE_DOWN_WINDOW_S": "8",
-    "LLMCHAOS_WATCH_TIMEOUT_S": "15",
+    "LLMCHAOS_WATCH_TIMEOUT_S": "8",
     "LLMCHAOS_DEGRADED_FOR_S": "6",
     "LLMCHAOS_STEP_S": "7",
     "LLMCHAOS_HOLD_S": "12",
@@ -73,7 +73,8 @@ hung worker's ejections); the stack's first model loads 0.1 s instead of 2 (a re
 the faults measure, stays gpu_load_s; a stack for 400 QPS started in 2.3 s instead of 2.6); the
 registry down 5 s instead of 15 (the gateways read it every 0.25 s); the autoscaling pulse
 watched 20 s (the limit is 15) and held 10 s once scaled out, the scale-down window 8 s; the
-degradation watch 15 s (the queue passes 1,000 within a second) and 6 s of the overload in
+degradation watch 8 s (the queue passes 1,000 within a second, the hardened variant's
+counter moves at once; the known-bad one's never moved in 15) and 6 s of the overload in
 degraded mode; the stepped load's steps 7 s instead of 20 (4.9 s of each judged, at 200-1,200
 QPS 980-5,900 requests; at 5 s the hardened variant failed 1 of 9 runs on a 400-QPS box: its
 gateways' queue passed the degradation threshold only about 5 s into the 800-QPS step, and
@@ -82,10 +83,55 @@ cpu_throttle's throttle held 12 s instead of 20 (its known-bad variant misses th
 in, and fails its no-failure probe whatever the hold)."""
 
 
-def ci_run_env() -> dict[str, str]:
-    """CI_RUN_ENV when CI is set, else nothing: chaos runs of the suite and of the tests that
-    run catalogue experiments as they are (tests/hosts/test_catalogue.py)."""
-    return dict(CI_RUN_ENV) if os.environ.get("CI") else {}
+_CI_SLA_S = {"LLMCHAOS_SLA_S": "5"}
+CI_EXPERIMENT_ENV: dict[str, dict[str, str]] = {
+    **dict.fromkeys(
+        (
+            "gpu_kill",
+            "gateway_crash",
+            "gpu_xid_errors",
+            "gpu_slow",
+            "worker_oom",
+            "token_cache_expiry",
+            "registry_kill",
+            "registry_leader_loss",
+            "registry_partition",
+            "cpu_throttle",
+            "network_degradation",
+            "node_partition",
+            "partial_partition",
+            "kv_cache_surge",
+        ),
+        _CI_SLA_S,
+    ),
+    "burst_during_failover": {**_CI_SLA_S, "LLMCHAOS_BURST_S": "10"},
+    "gpu_hang": {**_CI_SLA_S, "LLMCHAOS_HANG_HOLD_S": "15"},
+    "gpu_kill_all": {"LLMCHAOS_GPU_LOAD_S": "8"},
+}
+"""The suite's experiments shorter still under CI, each by its own settings over CI_RUN_ENV
+(measured on a machine calibrated at 400 QPS, 2026-12-07, both variants of each at least
+once). A recovery SLA of 5 s instead of 10-15 where the hardened variant held the SLO through
+the fault (recovered in 0-0.35 s): a known-bad variant that does not recover is judged about
+one window after the SLA (8 s after the fault instead of 13-18), and the hardened variant
+meets the stricter SLA. burst_during_failover's burst 10 s instead of 20 (the gateway crash
+comes 3 s into it); gpu_hang's hang held 15 s instead of 20 (a recovery counts once its
+stable run outlasts the hang: held 10 s, the known-bad variant's hung worker, ejected after
+its first 6-s timeouts, was not given its turn again before the hang ended, and it
+recovered in 5.6 s, a hair past the SLA; held 15 s, it gets its turn again and misses the
+SLO again); gpu_kill_all's GPUs reload in 8 s instead of 15 (recovered in 8-9 s instead of
+17; the known-bad variant fails on its CPU share, not on its recovery). kv_cache_surge keeps
+its 15-s surge: in 8 s no engine's KV cache filled enough for the fault to be in effect, and
+the small-cache variant passed."""
+
+
+def ci_run_env(experiment: str = "") -> dict[str, str]:
+    """CI's settings when CI is set, else nothing: CI_RUN_ENV, and `experiment`'s own
+    CI_EXPERIMENT_ENV (its file's stem), for the suite's chaos runs. The hosts catalogue's
+    (tests/hosts/test_catalogue.py) take CI_RUN_ENV alone: LiteLLM's and nginx's recoveries
+    were not measured against the shorter SLAs."""
+    if not os.environ.get("CI"):
+        return {}
+    return {**CI_RUN_ENV, **CI_EXPERIMENT_ENV.get(experiment, {})}
 
 
 hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)

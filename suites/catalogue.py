@@ -126,7 +126,7 @@ class SuiteRuns:
             experiment,
             variant,
             self.suite_dir / folder,
-            tuple(sorted({**ci_run_env(), **env}.items())),
+            tuple(sorted({**ci_run_env(experiment.stem), **env}.items())),
         )
 
     def _start_next(self, item: pytest.Item) -> None:

@@ -18,7 +18,7 @@ from chaoslib.exceptions import InterruptExecution
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, chaos_run
+from conftest import CI_EXPERIMENT_ENV, REPO, chaos_run
 from llmchaos import control
 from llmchaos.run import ChaosRun
 from llmchaos.settings import RunSettings
@@ -151,6 +151,18 @@ CASES: list[tuple[str, Mutation, str]] = [
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.stem for p in EXPERIMENTS])
 def test_the_catalogue_is_valid(path: Path) -> None:
     assert validate_experiment_file(path) == []
+
+
+def test_ci_shortens_experiments_by_settings_they_read() -> None:
+    """A CI setting that its experiment does not read would shorten nothing, silently: each
+    entry of CI_EXPERIMENT_ENV names a catalogue experiment and environment keys that its
+    configuration reads."""
+    for name, env in CI_EXPERIMENT_ENV.items():
+        path = REPO / "experiments" / f"{name}.json"
+        assert path.exists(), f"CI_EXPERIMENT_ENV: no experiment {name}"
+        configuration = json.loads(path.read_text())["configuration"]
+        read = {v["key"] for v in configuration.values() if isinstance(v, dict) and "key" in v}
+        assert set(env) <= read, f"{name} does not read {sorted(set(env) - read)}"
 
 
 @pytest.mark.parametrize(("mutate", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
