@@ -33,8 +33,9 @@ $(STAMP): pyproject.toml
 bytecode: $(STAMP)
 	@$(BIN)/python -m compileall -q llmchaos probes actions tests suites conftest.py
 
-# LiteLLM proxy for the hosts target's example, in its own venv .venv-litellm/ (it cannot share
-# .venv: scripts/litellm-requirements.txt says why); does nothing when it is installed.
+# LiteLLM proxy for the hosts target's example, in its own venv (it cannot share .venv:
+# scripts/litellm-requirements.txt says why), kept per lock file in ~/.cache/llmchaos/litellm and
+# linked as .venv-litellm; does nothing but the link when it is installed.
 litellm: $(STAMP)
 	@PYTHON=$(PYTHON) scripts/install-litellm.sh
 

@@ -1,22 +1,45 @@
 #!/usr/bin/env bash
-# LiteLLM proxy (pinned, every package by hash) in its own venv, .venv-litellm/, for the hosts
-# target's LiteLLM example. Why a venv of its own and why this version: the header of
+# LiteLLM proxy (pinned, every package by hash) in its own venv for the hosts target's LiteLLM
+# example. Why a venv of its own and why this version: the header of
 # scripts/litellm-requirements.txt. Installed by .venv's uv through scripts/uv (the Makefile
-# says why uv), its cache in ~/.cache/llmchaos/uv. Safe to run again: nothing is done when the
-# installed set matches the lock file (a stamp holds the lock's checksum).
+# says why uv), its cache in ~/.cache/llmchaos/uv.
+#
+# The venv is built once per lock file in the build cache, ~/.cache/llmchaos/litellm/<lock
+# checksum>/, and .venv-litellm links to it: a fresh clone on a machine that has it is ready
+# at once instead of after 20 s of installing 760 MB (a venv cannot be moved, so it is built
+# where it stays; a stamp holding the lock's checksum, written last, marks it complete). Safe
+# to run again, and from two clones at once (a lock file serializes the installs). A venv of
+# another lock file is removed when this one is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-VENV=.venv-litellm
+LINK=.venv-litellm
 LOCK=scripts/litellm-requirements.txt
-STAMP=$VENV/.installed-stamp
+CACHE=$HOME/.cache/llmchaos/litellm
 want=$(sha256sum "$LOCK" | cut -d' ' -f1)
-if [[ -x $VENV/bin/litellm && -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
-  exit 0
+VENV=$CACHE/${want:0:16}
+STAMP=$VENV/.installed-stamp
+
+installed() { [[ -x $VENV/bin/litellm && -f $STAMP && $(cat "$STAMP") == "$want" ]]; }
+
+if ! installed; then
+  mkdir -p "$CACHE"
+  exec 9>"$CACHE/.lock"
+  flock 9
+  if ! installed; then  # another clone may have installed it while this one waited
+    UV=scripts/uv  # .venv's, with the project's settings
+    echo "installing LiteLLM into $VENV (760 MB: 20 s from uv's cache, a minute or two without)"
+    rm -rf "$VENV"  # a half-built one: no stamp
+    "$PYTHON" -m venv --without-pip "$VENV"
+    "$UV" pip install -q --python "$VENV/bin/python" --compile-bytecode --require-hashes --no-deps -r "$LOCK"
+    "$UV" pip check -q --python "$VENV/bin/python"
+    echo "$want" > "$STAMP"
+    find "$CACHE" -mindepth 1 -maxdepth 1 -type d ! -path "$VENV" -exec rm -rf {} +
+  fi
+  exec 9>&-
 fi
-UV=scripts/uv  # .venv's, with the project's settings
-echo "installing LiteLLM into $VENV (760 MB: 20 s from uv's cache, a minute or two without)"
-test -x "$VENV/bin/python" || "$PYTHON" -m venv --without-pip "$VENV"
-"$UV" pip install -q --python "$VENV/bin/python" --compile-bytecode --require-hashes --no-deps -r "$LOCK"
-"$UV" pip check -q --python "$VENV/bin/python"
-echo "$want" > "$STAMP"
+# a venv of its own from before the cache: replaced by the link
+if [[ -d $LINK && ! -L $LINK ]]; then
+  rm -rf "$LINK"
+fi
+ln -sfn "$VENV" "$LINK"
