@@ -69,8 +69,11 @@ def test_two_providers_side_by_side(fake_server: Callable[..., FakeServer], tmp_
     assert whole_a["error_rate_by_class"]["timeout"] == whole_b["error_rate_by_class"]["timeout"]
     # tokens/s: 5 per success, over the schedule
     assert whole_a["tokens_per_s"] == pytest.approx(5 * whole_a["ok"] / (2 * STEP_S), rel=0.01)
-    # a never stalls; b's stall is one frame drop of about its length, in the second step
-    assert whole_a["frame_drops"] == 0 and whole_a["p99_ms"] < 500
+    # a never stalls; b's stall is one frame drop of about its length, in the second step. A
+    # P99 under half the stall tells none from it (on CI's busy box, with the other tests on
+    # three more workers, a's P99 at 10 ms per answer was 724 ms once)
+    no_stall_ms = STALL_S * 1000 / 2
+    assert whole_a["frame_drops"] == 0 and whole_a["p99_ms"] < no_stall_ms
     steps_b = by_name["b"]["steps"]
     assert [s["frame_drops"] for s in steps_b] == [0, 1]
     events = by_name["b"]["summary"]["frame_drop_events"]
@@ -81,7 +84,7 @@ def test_two_providers_side_by_side(fake_server: Callable[..., FakeServer], tmp_
     # requests scheduled in the stall wait for its end: latencies uniform over (0, 4 s], a
     # third of the successes; the top 1% of all is the top 3% of those
     assert 0.9 * STALL_S * 1000 <= whole_b["p99_ms"] <= 1.05 * STALL_S * 1000
-    assert steps_b[0]["p99_ms"] < 500
+    assert steps_b[0]["p99_ms"] < no_stall_ms
 
 
 def _line(t: int, ok: int, failed: dict[str, int], latency_ms: list[float]) -> dict[str, Any]:
