@@ -83,10 +83,11 @@ cpu_throttle's throttle held 12 s instead of 20 (its known-bad variant misses th
 in, and fails its no-failure probe whatever the hold)."""
 
 
-_CI_SLA_S = {"LLMCHAOS_SLA_S": "5"}
+_CI_SLA_ENV = {"LLMCHAOS_SLA_S": "5"}
 CI_EXPERIMENT_ENV: dict[str, dict[str, str]] = {
-    **dict.fromkeys(
-        (
+    **{
+        name: dict(_CI_SLA_ENV)
+        for name in (
             "gpu_kill",
             "gateway_crash",
             "gpu_xid_errors",
@@ -101,11 +102,10 @@ CI_EXPERIMENT_ENV: dict[str, dict[str, str]] = {
             "node_partition",
             "partial_partition",
             "kv_cache_surge",
-        ),
-        _CI_SLA_S,
-    ),
-    "burst_during_failover": {**_CI_SLA_S, "LLMCHAOS_BURST_S": "10"},
-    "gpu_hang": {**_CI_SLA_S, "LLMCHAOS_HANG_HOLD_S": "15"},
+        )
+    },
+    "burst_during_failover": {**_CI_SLA_ENV, "LLMCHAOS_BURST_S": "10"},
+    "gpu_hang": {**_CI_SLA_ENV, "LLMCHAOS_HANG_HOLD_S": "15"},
     "gpu_kill_all": {"LLMCHAOS_GPU_LOAD_S": "8"},
 }
 """The suite's experiments shorter still under CI, each by its own settings over CI_RUN_ENV

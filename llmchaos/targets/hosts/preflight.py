@@ -24,7 +24,7 @@ from llmchaos.targets.hosts.topology import HostsTopology, Part
 __all__ = ["INSTALL_HINTS", "preflight_problems"]
 
 INSTALL_HINTS = {
-    "litellm": "make setup installs LiteLLM into .venv-litellm/ (scripts/install-litellm.sh)",
+    "litellm": "make setup installs LiteLLM into .venv-litellm (scripts/install-litellm.sh)",
     "nginx": "apt-get install nginx (make setup does it as root)",
     "redis-server": "apt-get install redis-server",
 }
