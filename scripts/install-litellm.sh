@@ -17,7 +17,8 @@ LINK=.venv-litellm
 LOCK=scripts/litellm-requirements.txt
 CACHE=$HOME/.cache/llmchaos/litellm
 want=$(sha256sum "$LOCK" | cut -d' ' -f1)
-VENV=$CACHE/${want:0:16}
+key=${want:0:16}  # the venv's folder name
+VENV=$CACHE/$key
 STAMP=$VENV/.installed-stamp
 
 # its interpreter too: a venv whose system Python was upgraded away is built again
@@ -39,7 +40,7 @@ if ! installed; then
     "$UV" pip check -q --python "$VENV/bin/python"
     echo "$want" > "$STAMP"
     # venvs of other lock files that no clone has linked for a week (a link touches its venv)
-    find "$CACHE" -mindepth 1 -maxdepth 1 -type d ! -name "${want:0:16}" -mtime +7 -exec rm -rf {} +
+    find "$CACHE" -mindepth 1 -maxdepth 1 -type d ! -name "$key" -mtime +7 -exec rm -rf {} +
   fi
   exec 9>&-
 fi
