@@ -306,7 +306,12 @@ class Aggregate:
 
     def _final_upto(self) -> int:
         """Seconds below this are final: no live worker can still change them (and those
-        already written to the timeline are final whatever happened to their workers)."""
+        already written to the timeline are final whatever happened to their workers). A
+        share whose worker has not reported yet holds every second back, as in
+        _scheduled_upto_s: its first report may hold any of them (a worker slow to start on a
+        busy machine once had its first second written without it, 64 requests short)."""
+        if self._awaited:
+            return self._written_upto
         now = time.monotonic()
         live = [
             w for w in self._workers.values() if now - w["seen"] < STALE_WORKER_S and not w["lost"]

@@ -83,6 +83,25 @@ def test_a_second_is_scheduled_in_full_once_every_worker_has_reported_past_it():
     assert all(x["scheduled_in_full"] for x in agg.seconds_lines(0.0, 10.0))
 
 
+def test_no_second_is_final_while_a_share_awaits_its_workers_first_report():
+    """A worker slow to start reports its first second after the other worker has settled
+    it: that second must not reach the timeline without it (the summary would count
+    requests the timeline lacks)."""
+    agg = Aggregate(START, duration_s=10.0, target_qps=4.0)
+    early, slow = Recorder(), Recorder()
+    agg.expect("early")
+    agg.expect("slow")
+    for recorder in (early, slow):
+        recorder.scheduled(0)
+        recorder.dropped(0)
+    agg.add_report("early", early.take_report(next_due_s=None))
+    assert agg.final_lines() == []
+    assert not any(x["final"] for x in agg.seconds_lines(0.0, 10.0))
+    agg.add_report("slow", slow.take_report(next_due_s=None))
+    (line,) = agg.final_lines()
+    assert (line["scheduled"], line["dropped"]) == (2, 2)
+
+
 def test_a_lines_ts_selects_that_line_as_either_bound():
     agg, _ = _two_seconds()
     ts1 = agg.seconds_lines(0.0, 10.0)[1]["ts"]
