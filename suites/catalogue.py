@@ -8,7 +8,9 @@ for the whole suite.
 
 The cases' runs follow each other with no gap (SuiteRuns): once a run has stopped its load and
 its stack, the next case's run starts (its chaos process and its stack) while the first
-finishes its report and exits; the next run's load starts seconds after that.
+finishes its report and exits; the next run's load starts seconds after that. Two runs that
+each take a share of the machine that fits beside the other's (`machine_share`, 0.5 for most
+experiments under CI) run side by side: the next starts with the one before it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from llmchaos.runner import (
 )
 from llmchaos.settings import RunSettings
 from llmchaos.targets import DEFAULT_VARIANT, TargetSettings, target_kind
+from llmchaos.targets.embedded import EmbeddedSettings
 from llmchaos.validation import ExperimentMeta, experiment_meta, validate_experiment_file
 
 __all__ = ["Case", "SuiteRuns", "calibrate_target", "cases", "check_case", "target_rate"]
@@ -93,11 +96,12 @@ class _PlannedRun:
 
 class SuiteRuns:
     """The suite's chaos runs, each in `suite_dir`/<test name>, with the CI phases when CI is
-    set (conftest.ci_run_env). With `ahead`, once a run has stopped its load and its target
-    (StartedExperiment.target_stopped), the next test's run is started if that test is a
-    case that check_case runs (valid, its variant on the target), and that test then waits
-    for it instead of starting its own. A session that ends between the two stops the run
-    started ahead (close())."""
+    set (conftest.ci_run_env). With `ahead`, the next test's run is started before that test
+    comes, if it is a case that check_case runs (valid, its variant on the target), and that
+    test then waits for it instead of starting its own: at once when the two runs' machine
+    shares fit in the machine together (_machine_share), else once the run before it has
+    stopped its load and its target (StartedExperiment.target_stopped). A session that ends
+    before that test comes stops the run started ahead (close())."""
 
     def __init__(self, suite_dir: Path, ahead: bool) -> None:
         self.suite_dir = suite_dir
@@ -111,8 +115,13 @@ class SuiteRuns:
         for it ahead; wait for its outcome."""
         planned = self._plan(item, experiment, variant, env)
         started = self._take(planned) or planned.start()
-        next_run = functools.partial(self._start_next, item) if self.ahead else None
-        return started.wait(on_target_stopped=next_run)
+        following = self._following(item) if self.ahead else None
+        if following is None:
+            return started.wait()
+        if _machine_share(planned) + _machine_share(following) <= 1:
+            self._start(following)
+            return started.wait()
+        return started.wait(on_target_stopped=functools.partial(self._start, following))
 
     def close(self) -> None:
         """Stop a run started ahead for a test that did not come (the session ended)."""
@@ -129,15 +138,18 @@ class SuiteRuns:
             tuple(sorted({**ci_run_env(experiment.stem), **env}.items())),
         )
 
-    def _start_next(self, item: pytest.Item) -> None:
+    def _following(self, item: pytest.Item) -> _PlannedRun | None:
+        """The run of the test after `item`, when that test is a case check_case runs."""
         items = item.session.items
         position = items.index(item) + 1
         following = items[position] if position < len(items) else None
         callspec = getattr(following, "callspec", None)
         case = callspec.params.get("case") if callspec is not None else None
         if following is None or not isinstance(case, Case) or _no_run(case) is not None:
-            return
-        planned = self._plan(following, case.path, case.variant, {})
+            return None
+        return self._plan(following, case.path, case.variant, {})
+
+    def _start(self, planned: _PlannedRun) -> None:
         self._started = (planned, planned.start())
 
     def _take(self, planned: _PlannedRun | None) -> StartedExperiment | None:
@@ -153,11 +165,19 @@ class SuiteRuns:
         return None
 
 
-def _target_settings() -> tuple[str, TargetSettings]:
-    """The suite's target (LLMCHAOS_TARGET) and its settings from the environment."""
-    settings = RunSettings.from_configuration({}, os.environ)
+def _target_settings(env: Mapping[str, str] | None = None) -> tuple[str, TargetSettings]:
+    """The suite's target (LLMCHAOS_TARGET) and its settings from the environment (with
+    `env` over it)."""
+    settings = RunSettings.from_configuration({}, {**os.environ, **(env or {})})
     assert settings.target_settings is not None
     return settings.target, settings.target_settings
+
+
+def _machine_share(planned: _PlannedRun) -> float:
+    """The share of this machine's rate `planned` takes (EmbeddedSettings.machine_share);
+    the whole machine on any other target (a cluster's or hosts' services are not split)."""
+    _target, settings = _target_settings(dict(planned.env))
+    return settings.machine_share if isinstance(settings, EmbeddedSettings) else 1.0
 
 
 def calibrate_target() -> None:

@@ -22,6 +22,7 @@ from conftest import CI_EXPERIMENT_ENV, REPO, chaos_run
 from llmchaos import control
 from llmchaos.run import ChaosRun
 from llmchaos.settings import RunSettings
+from llmchaos.targets.embedded import EmbeddedSettings
 from llmchaos.validation import validate_experiment_file
 
 EXPERIMENTS = sorted((REPO / "experiments").glob("*.json")) + sorted(
@@ -156,12 +157,15 @@ def test_the_catalogue_is_valid(path: Path) -> None:
 def test_ci_shortens_experiments_by_settings_they_read() -> None:
     """A CI setting that its experiment does not read would shorten nothing, silently: each
     entry of CI_EXPERIMENT_ENV names a catalogue experiment and environment keys that its
-    configuration reads."""
+    configuration reads, or that name a setting of the embedded target its configuration
+    leaves to the environment (LLMCHAOS_MACHINE_SHARE)."""
+    target_fields = {f.name for f in dataclasses.fields(EmbeddedSettings)}
     for name, env in CI_EXPERIMENT_ENV.items():
         path = REPO / "experiments" / f"{name}.json"
         assert path.exists(), f"CI_EXPERIMENT_ENV: no experiment {name}"
         configuration = json.loads(path.read_text())["configuration"]
         read = {v["key"] for v in configuration.values() if isinstance(v, dict) and "key" in v}
+        read |= {f"LLMCHAOS_{field.upper()}" for field in target_fields - set(configuration)}
         assert set(env) <= read, f"{name} does not read {sorted(set(env) - read)}"
 
 

@@ -111,6 +111,10 @@ class EmbeddedSettings(TargetSettings):
     kill, measured by the first chaos run (or `llmchaos calibrate`) and cached in
     `calibration_file` (llmchaos.targets.embedded.calibration); `REFERENCE_QPS` until then
     (`llmchaos validate` does not measure)."""
+    machine_share: float = 1.0
+    """Share of this machine's calibrated rate a run takes when `embedded_max_qps` is not set:
+    runs side by side on one machine each take theirs (CI's resilience suite runs two at 0.5
+    at once, conftest.CI_EXPERIMENT_ENV)."""
     calibration_file: str = "~/.cache/llmchaos/calibration.json"
     """Where this machine's calibrated rate is cached (measured again on another machine)."""
     degradation_queue_threshold: int = DegradationSettings.queue_depth_threshold
@@ -174,6 +178,7 @@ class EmbeddedSettings(TargetSettings):
         "gateway_hedge_after_s": Range(0, 3600),
         "gpu_max_num_seqs": Range(1, 4096),
         "fleet_target_utilization": FleetSettings.RANGES["target_utilization"],
+        "machine_share": Range(0, 1, low_open=True),
         "autoscale_min_replicas": Range(1, 64),
         "autoscale_target_utilization": Range(0, 100, low_open=True),
         "autoscale_sync_s": Range(0, 3600, low_open=True),
@@ -214,7 +219,7 @@ class EmbeddedKind(TargetKind):
         if embedded.embedded_max_qps is not None:
             return embedded.embedded_max_qps
         calibration = machine_calibration(embedded)
-        return REFERENCE_QPS if calibration is None else calibration.qps
+        return REFERENCE_QPS if calibration is None else calibration.qps * embedded.machine_share
 
     def prepare(self, settings: TargetSettings, progress: Callable[[str], None]) -> bool:
         embedded = _embedded(settings)
@@ -306,8 +311,10 @@ class EmbeddedKind(TargetKind):
                 f"this machine is not calibrated yet ({embedded.calibration_file}): the "
                 "reference layout's rate until a run or `llmchaos calibrate` measures it"
             )
+        share = embedded.machine_share
+        share_text = "" if share == 1 else f" times machine_share {share:g}"
         return (
-            f"this machine's calibrated rate, cached in {embedded.calibration_file} "
+            f"this machine's calibrated rate{share_text}, cached in {embedded.calibration_file} "
             "(`llmchaos calibrate`); set LLMCHAOS_EMBEDDED_MAX_QPS to change it"
         )
 
