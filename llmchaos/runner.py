@@ -38,7 +38,7 @@ __all__ = [
 _TERM_GRACE_S = 90.0
 """After SIGTERM, how long the control may take to undo, report and stop the stack."""
 _POLL_S = 0.2
-"""How often the run.json of a run whose target's stop someone waits for is read."""
+"""How often StartedExperiment.wait calls its `while_waiting`."""
 
 
 @dataclass(frozen=True)
@@ -129,23 +129,22 @@ class StartedExperiment:
         return (data or {}).get("target_stopped_at") is not None
 
     def wait(
-        self, timeout_s: float = 900.0, on_target_stopped: Callable[[], None] | None = None
+        self, timeout_s: float = 900.0, while_waiting: Callable[[], None] | None = None
     ) -> ExperimentOutcome:
         """Wait for the run's end (SIGTERM, then SIGKILL and cleanup, `timeout_s` after its
-        start) and collect its outcome; `on_target_stopped()` is called once, as soon as
-        target_stopped(). A KeyboardInterrupt, or an error in `on_target_stopped`, stops the
-        run first."""
+        start) and collect its outcome; `while_waiting()` is called at once and then every
+        0.2 s until the run ends. A KeyboardInterrupt, or an error in `while_waiting`, stops
+        the run first."""
         deadline_s = self.started_s + timeout_s
         timed_out = False
         try:
             while True:
-                if on_target_stopped is not None and self.target_stopped():
-                    on_target_stopped, callback = None, on_target_stopped
-                    callback()
+                if while_waiting is not None:
+                    while_waiting()
                 remaining_s = max(0.0, deadline_s - time.monotonic())
                 try:
                     code = self.process.wait(
-                        timeout=min(remaining_s, _POLL_S) if on_target_stopped else remaining_s
+                        timeout=min(remaining_s, _POLL_S) if while_waiting else remaining_s
                     )
                     break
                 except subprocess.TimeoutExpired:

@@ -8,19 +8,21 @@ for the whole suite.
 
 The cases' runs follow each other with no gap (SuiteRuns): once a run has stopped its load and
 its stack, the next case's run starts (its chaos process and its stack) while the first
-finishes its report and exits; the next run's load starts seconds after that. Two runs that
-each take a share of the machine that fits beside the other's (`machine_share`, 0.5 for most
-experiments under CI) run side by side: the next starts with the one before it.
+finishes its report and exits; the next run's load starts seconds after that. Runs whose
+shares of the machine fit in it together (`machine_share`, 0.5 for most experiments under
+CI) run side by side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import allure
@@ -35,6 +37,7 @@ from llmchaos.runner import (
     start_experiment,
 )
 from llmchaos.settings import RunSettings
+from llmchaos.signals import held
 from llmchaos.targets import DEFAULT_VARIANT, TargetSettings, target_kind
 from llmchaos.targets.embedded import EmbeddedSettings
 from llmchaos.validation import ExperimentMeta, experiment_meta, validate_experiment_file
@@ -84,6 +87,8 @@ class _PlannedRun:
     variant: str
     runs_root: Path
     env: tuple[tuple[str, str], ...]
+    machine_share: float = field(default=1.0, compare=False)
+    """The share of this machine's rate it takes (_machine_share)."""
 
     def start(self) -> StartedExperiment:
         return start_experiment(
@@ -96,17 +101,24 @@ class _PlannedRun:
 
 class SuiteRuns:
     """The suite's chaos runs, each in `suite_dir`/<test name>, with the CI phases when CI is
-    set (conftest.ci_run_env). With `ahead`, the next test's run is started before that test
-    comes, if it is a case that check_case runs (valid, its variant on the target), and that
-    test then waits for it instead of starting its own: at once when the two runs' machine
-    shares fit in the machine together (_machine_share), else once the run before it has
-    stopped its load and its target (StartedExperiment.target_stopped). A session that ends
-    before that test comes stops the run started ahead (close())."""
+    set (conftest.ci_run_env). With `ahead`, the runs of the tests after the current one are
+    started before those tests come, in their order, while each one's machine share
+    (_machine_share) fits beside those of the runs that have not stopped their load and their
+    target yet (StartedExperiment.target_stopped): two at half the machine each run side by
+    side, one that takes the whole machine starts once the runs before it have stopped their
+    targets (they only finish their reports then). Only tests that are cases are looked at
+    (the look-ahead stops at any other test), and a case that check_case does not run
+    (invalid, or its variant not on the target) starts nothing. A test whose run was started
+    ahead waits for it instead of starting its own; a session that ends first stops the runs
+    started ahead for tests that did not come (close())."""
 
     def __init__(self, suite_dir: Path, ahead: bool) -> None:
         self.suite_dir = suite_dir
         self.ahead = ahead
-        self._started: tuple[_PlannedRun, StartedExperiment] | None = None
+        self._started: dict[str, tuple[_PlannedRun, StartedExperiment]] = {}
+        """Runs started before their test came, by the test's node id."""
+        self._plans: dict[str, _PlannedRun | None] = {}
+        """Each following test's run (None: not one to start ahead), planned once."""
 
     def run(
         self, item: pytest.Item, experiment: Path, variant: str, env: Mapping[str, str]
@@ -114,48 +126,78 @@ class SuiteRuns:
         """`chaos run` `experiment` on `variant` for the test `item`, or take the run started
         for it ahead; wait for its outcome."""
         planned = self._plan(item, experiment, variant, env)
-        started = self._take(planned) or planned.start()
-        following = self._following(item) if self.ahead else None
-        if following is None:
+        started = self._take(item.nodeid, planned) or planned.start()
+        if not self.ahead:
             return started.wait()
-        if _machine_share(planned) + _machine_share(following) <= 1:
-            self._start(following)
-            return started.wait()
-        return started.wait(on_target_stopped=functools.partial(self._start, following))
+        return started.wait(
+            while_waiting=functools.partial(self._start_what_fits, item, (planned, started))
+        )
 
     def close(self) -> None:
-        """Stop a run started ahead for a test that did not come (the session ended)."""
-        self._take(None)
+        """Stop the runs started ahead for tests that did not come (the session ended): all
+        of them, whatever one's stop raises, and no second Ctrl-C cuts this short."""
+        with held("stopping the runs started ahead"), contextlib.ExitStack() as stops:
+            for nodeid in list(self._started):
+                stops.callback(self._take, nodeid, None)
 
     def _plan(
         self, item: pytest.Item, experiment: Path, variant: str, env: Mapping[str, str]
     ) -> _PlannedRun:
         folder = "".join(c if c.isalnum() or c in "-_." else "_" for c in item.name)
+        run_env = {**ci_run_env(experiment.stem), **env}
         return _PlannedRun(
             experiment,
             variant,
             self.suite_dir / folder,
-            tuple(sorted({**ci_run_env(experiment.stem), **env}.items())),
+            tuple(sorted(run_env.items())),
+            _machine_share(run_env),
         )
 
-    def _following(self, item: pytest.Item) -> _PlannedRun | None:
-        """The run of the test after `item`, when that test is a case check_case runs."""
+    def _start_what_fits(
+        self, item: pytest.Item, current: tuple[_PlannedRun, StartedExperiment]
+    ) -> None:
+        """Start the runs of the tests after `item` that fit (the class docstring). An error
+        here stops looking ahead for the session: each test then starts its own run, and the
+        error shows in the test it belongs to instead of failing the current one."""
+        try:
+            self._start_following(item, current)
+        except Exception as exc:
+            self.ahead = False
+            warnings.warn(f"the suite stopped starting runs ahead: {exc}", stacklevel=1)
+
+    def _start_following(
+        self, item: pytest.Item, current: tuple[_PlannedRun, StartedExperiment]
+    ) -> None:
+        holding = [current, *self._started.values()]
+        in_use = sum(p.machine_share for p, run in holding if not run.target_stopped())
         items = item.session.items
-        position = items.index(item) + 1
-        following = items[position] if position < len(items) else None
-        callspec = getattr(following, "callspec", None)
-        case = callspec.params.get("case") if callspec is not None else None
-        if following is None or not isinstance(case, Case) or _no_run(case) is not None:
+        for following in items[items.index(item) + 1 :]:
+            if following.nodeid not in self._plans:
+                self._plans[following.nodeid] = self._case_run(following)
+            planned = self._plans[following.nodeid]
+            if planned is None:
+                if _case(following) is None:
+                    return  # not a case: what it loads is not known
+                continue  # a case that starts no run
+            if following.nodeid in self._started:
+                continue
+            if in_use + planned.machine_share > 1 + _SHARE_SLACK:
+                return
+            with held("starting a run ahead"):  # a Ctrl-C must not leave it unrecorded
+                self._started[following.nodeid] = (planned, planned.start())
+            in_use += planned.machine_share
+
+    def _case_run(self, item: pytest.Item) -> _PlannedRun | None:
+        """`item`'s run when it is a case that check_case runs."""
+        case = _case(item)
+        if case is None or _no_run(case) is not None:
             return None
-        return self._plan(following, case.path, case.variant, {})
+        return self._plan(item, case.path, case.variant, {})
 
-    def _start(self, planned: _PlannedRun) -> None:
-        self._started = (planned, planned.start())
-
-    def _take(self, planned: _PlannedRun | None) -> StartedExperiment | None:
-        """The run started ahead when it is `planned`; one that is not is stopped and its
-        folder removed (its test never asked for it)."""
-        started, self._started = self._started, None
+    def _take(self, nodeid: str, planned: _PlannedRun | None) -> StartedExperiment | None:
+        """The run started ahead for the test `nodeid` when it is `planned`; one that is not
+        is stopped and its folder removed (its test never asked for it)."""
+        started = self._started.pop(nodeid, None)
         if started is None:
             return None
         if started[0] == planned:
@@ -163,6 +205,12 @@ class SuiteRuns:
         started[1].stop()
         shutil.rmtree(started[0].runs_root, ignore_errors=True)
         return None
+
+
+def _case(item: pytest.Item) -> Case | None:
+    callspec = getattr(item, "callspec", None)
+    case = callspec.params.get("case") if callspec is not None else None
+    return case if isinstance(case, Case) else None
 
 
 def _target_settings(env: Mapping[str, str] | None = None) -> tuple[str, TargetSettings]:
@@ -173,10 +221,15 @@ def _target_settings(env: Mapping[str, str] | None = None) -> tuple[str, TargetS
     return settings.target, settings.target_settings
 
 
-def _machine_share(planned: _PlannedRun) -> float:
-    """The share of this machine's rate `planned` takes (EmbeddedSettings.machine_share);
-    the whole machine on any other target (a cluster's or hosts' services are not split)."""
-    _target, settings = _target_settings(dict(planned.env))
+_SHARE_SLACK = 1e-9
+"""Shares that add up to 1 in floating point (0.1 + 0.2 + 0.7) still fit."""
+
+
+def _machine_share(run_env: Mapping[str, str]) -> float:
+    """The share of this machine's rate a run with `run_env` over the environment takes
+    (EmbeddedSettings.machine_share); the whole machine on any other target (a cluster's or
+    hosts' services are not split)."""
+    _target, settings = _target_settings(run_env)
     return settings.machine_share if isinstance(settings, EmbeddedSettings) else 1.0
 
 

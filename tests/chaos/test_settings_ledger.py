@@ -37,6 +37,15 @@ def test_embedded_qps_is_capped_and_cluster_qps_is_not() -> None:
         {"qps": 5000, "embedded_max_qps": 300, "peak_factor": 2}, {}
     )
     assert burst.effective_qps == 150
+    # a run beside another on one machine takes its share of the cap, or of the machine's rate
+    half = RunSettings.from_configuration(
+        {"qps": 5000, "embedded_max_qps": 300}, {"LLMCHAOS_MACHINE_SHARE": "0.5"}
+    )
+    assert half.effective_qps == 150
+    assert (
+        RunSettings.from_configuration({"qps": 5000, "machine_share": 0.5}, {}).effective_qps
+        == REFERENCE_QPS / 2
+    )
     k8s = RunSettings.from_configuration(
         {"target": "k8s", "qps": 5000, "k8s_allowed_namespaces": "llm", "k8s_namespace": "llm"}, {}
     )

@@ -1,7 +1,7 @@
-"""suites.catalogue.SuiteRuns's order of runs, with `chaos run` replaced by a recorder: two
-cases whose machine shares fit together run side by side, a case that takes the whole
-machine starts once the run before it has stopped its target. (tests/chaos/test_gameday.py
-runs the real thing.)"""
+"""suites.catalogue.SuiteRuns's order of runs, with `chaos run` replaced by a recorder: runs
+start in the tests' order while their machine shares fit beside those of the runs whose
+targets are still up; a case that takes the whole machine waits for every run before it.
+(tests/chaos/test_gameday.py runs the real thing.)"""
 
 from __future__ import annotations
 
@@ -18,20 +18,42 @@ from llmchaos.runner import ExperimentOutcome
 from suites.catalogue import Case, SuiteRuns, cases
 
 
+class _Clock:
+    """The recorded runs and what happened to them; a run's target stops after its number
+    of ticks, one tick for each poll of the run a test waits for."""
+
+    def __init__(self, ticks: dict[str, int]) -> None:
+        self.ticks = ticks
+        self.events: list[str] = []
+        self.runs: list[_Recorded] = []
+
+    def tick(self) -> None:
+        for run in self.runs:
+            run.ticks_left -= 1
+            if run.ticks_left == 0:
+                self.events.append(f"stopped {run.name}")
+
+
 class _Recorded:
-    """A started run that writes what happens to it in `events`."""
+    """A started run whose target stops after its ticks."""
 
-    def __init__(self, planned: Any, events: list[str]) -> None:
+    def __init__(self, planned: Any, clock: _Clock) -> None:
         self.name = f"{planned.experiment.stem}/{planned.variant}"
-        self.share = dict(planned.env).get("LLMCHAOS_MACHINE_SHARE", "1")
-        self.events = events
-        events.append(f"start {self.name} at share {self.share}")
+        self.clock = clock
+        self.ticks_left = clock.ticks[self.name]
+        clock.events.append(f"start {self.name} at share {planned.machine_share:g}")
+        clock.runs.append(self)
 
-    def wait(self, on_target_stopped: Callable[[], None] | None = None) -> ExperimentOutcome:
-        self.events.append(f"wait {self.name}")
-        if on_target_stopped is not None:
-            self.events.append(f"target stopped {self.name}")
-            on_target_stopped()
+    def target_stopped(self) -> bool:
+        return self.ticks_left <= 0
+
+    def wait(self, while_waiting: Callable[[], None] | None = None) -> ExperimentOutcome:
+        while True:
+            if while_waiting is not None:
+                while_waiting()
+            if self.target_stopped():
+                break
+            self.clock.tick()
         return ExperimentOutcome(
             experiment=Path(self.name),
             variant="",
@@ -45,47 +67,69 @@ class _Recorded:
         )
 
     def stop(self) -> None:
-        self.events.append(f"stop {self.name}")
+        self.clock.events.append(f"stop {self.name}")
 
 
 def _items(chosen: list[Case]) -> list[Any]:
+    """pytest's items for the cases `chosen`, as much of them as SuiteRuns reads."""
     session = SimpleNamespace(items=[])
     session.items = [
         SimpleNamespace(
-            session=session, name=case.id, callspec=SimpleNamespace(params={"case": case})
+            session=session,
+            name=case.id,
+            nodeid=f"suites/test_catalogue.py::test_experiment[{case.id}]",
+            callspec=SimpleNamespace(params={"case": case}),
         )
         for case in chosen
     ]
     return session.items
 
 
-def test_shares_that_fit_run_side_by_side_and_a_whole_machine_waits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(
-        "CI", "1"
-    )  # conftest.CI_EXPERIMENT_ENV: gpu_kill at 0.5, stepped_capacity at 1
-    monkeypatch.delenv("LLMCHAOS_TARGET", raising=False)
-    events: list[str] = []
-    monkeypatch.setattr(catalogue._PlannedRun, "start", lambda self: _Recorded(self, events))
+def _run_suite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ids: list[str], ticks: dict[str, int]
+) -> list[str]:
+    """Run the cases `ids` in order through SuiteRuns; what the clock saw."""
+    clock = _Clock(ticks)
+    monkeypatch.setattr(catalogue._PlannedRun, "start", lambda self: _Recorded(self, clock))
     by_id = {case.id: case for case in cases(REPO / "experiments")}
-    chosen = [
-        by_id["gpu_kill[default:hardened]"],
-        by_id["gpu_kill[negative:no-failover]"],
-        by_id["stepped_capacity[default:hardened]"],
-    ]
+    chosen = [by_id[i] for i in ids]
     runs = SuiteRuns(tmp_path, ahead=True)
     for item, case in zip(_items(chosen), chosen, strict=True):
         runs.run(item, case.path, case.variant, {})
     runs.close()
+    return clock.events
+
+
+def test_runs_start_in_order_while_their_shares_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CI", "1")  # conftest.CI_EXPERIMENT_ENV: stepped_capacity at 1, others 0.5
+    monkeypatch.delenv("LLMCHAOS_TARGET", raising=False)
+    events = _run_suite(
+        tmp_path,
+        monkeypatch,
+        [
+            "gpu_kill[default:hardened]",
+            "gpu_kill[negative:no-failover]",
+            "gpu_xid_errors[default:hardened]",
+            "stepped_capacity[default:hardened]",
+        ],
+        {
+            "gpu_kill/hardened": 3,
+            "gpu_kill/no-failover": 1,
+            "gpu_xid_errors/hardened": 1,
+            "stepped_capacity/hardened": 1,
+        },
+    )
     assert events == [
         "start gpu_kill/hardened at share 0.5",
         "start gpu_kill/no-failover at share 0.5",  # at once: half and half fit
-        "wait gpu_kill/hardened",
-        "wait gpu_kill/no-failover",
-        "target stopped gpu_kill/no-failover",
-        "start stepped_capacity/hardened at share 1",  # only then: it takes the machine
-        "wait stepped_capacity/hardened",
+        "stopped gpu_kill/no-failover",
+        "start gpu_xid_errors/hardened at share 0.5",  # in its place, gpu_kill still going
+        "stopped gpu_xid_errors/hardened",
+        "stopped gpu_kill/hardened",
+        "start stepped_capacity/hardened at share 1",  # only now: it takes the machine
+        "stopped stepped_capacity/hardened",
     ]
 
 
@@ -97,16 +141,62 @@ def test_on_another_target_runs_never_share_the_machine(
     monkeypatch.setenv("CI", "1")
     monkeypatch.setenv("LLMCHAOS_TARGET", "k8s")
     monkeypatch.setenv("LLMCHAOS_K8S_ALLOWED_NAMESPACES", "llmchaos")
-    events: list[str] = []
-    monkeypatch.setattr(catalogue._PlannedRun, "start", lambda self: _Recorded(self, events))
     monkeypatch.setattr(catalogue, "_no_run", lambda _case: None)  # k8s has no known-bad variant
+    events = _run_suite(
+        tmp_path,
+        monkeypatch,
+        ["gpu_kill[default:hardened]", "gpu_kill[negative:no-failover]"],
+        {"gpu_kill/hardened": 2, "gpu_kill/no-failover": 2},
+    )
+    assert events == [
+        "start gpu_kill/hardened at share 1",
+        "stopped gpu_kill/hardened",
+        "start gpu_kill/no-failover at share 1",
+        "stopped gpu_kill/no-failover",
+    ]
+
+
+def test_a_session_that_ends_stops_the_runs_started_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CI", "1")
+    monkeypatch.delenv("LLMCHAOS_TARGET", raising=False)
+    clock = _Clock({"gpu_kill/hardened": 1, "gpu_kill/no-failover": 5})
+    monkeypatch.setattr(catalogue._PlannedRun, "start", lambda self: _Recorded(self, clock))
     by_id = {case.id: case for case in cases(REPO / "experiments")}
     chosen = [by_id["gpu_kill[default:hardened]"], by_id["gpu_kill[negative:no-failover]"]]
     runs = SuiteRuns(tmp_path, ahead=True)
-    for item, case in zip(_items(chosen), chosen, strict=True):
-        runs.run(item, case.path, case.variant, {})
-    assert events[:3] == [
+    first = chosen[0]
+    runs.run(_items(chosen)[0], first.path, first.variant, {})
+    runs.close()  # the second test never came (pytest -x)
+    assert clock.events == [
         "start gpu_kill/hardened at share 0.5",
-        "wait gpu_kill/hardened",
-        "target stopped gpu_kill/hardened",
+        "start gpu_kill/no-failover at share 0.5",
+        "stopped gpu_kill/hardened",
+        "stop gpu_kill/no-failover",
+    ]
+
+
+def test_a_test_that_is_not_a_case_stops_the_look_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What another test between two cases loads is not known: the case after it starts
+    only when it comes."""
+    monkeypatch.setenv("CI", "1")
+    monkeypatch.delenv("LLMCHAOS_TARGET", raising=False)
+    clock = _Clock({"gpu_kill/hardened": 1, "gpu_kill/no-failover": 1})
+    monkeypatch.setattr(catalogue._PlannedRun, "start", lambda self: _Recorded(self, clock))
+    by_id = {case.id: case for case in cases(REPO / "experiments")}
+    chosen = [by_id["gpu_kill[default:hardened]"], by_id["gpu_kill[negative:no-failover]"]]
+    first, second = _items(chosen)
+    other = SimpleNamespace(session=first.session, name="test_other", nodeid="tests::other")
+    first.session.items[1:1] = [other]
+    runs = SuiteRuns(tmp_path, ahead=True)
+    for item, case in ((first, chosen[0]), (second, chosen[1])):
+        runs.run(item, case.path, case.variant, {})
+    assert clock.events == [
+        "start gpu_kill/hardened at share 0.5",
+        "stopped gpu_kill/hardened",
+        "start gpu_kill/no-failover at share 0.5",
+        "stopped gpu_kill/no-failover",
     ]

@@ -112,9 +112,9 @@ class EmbeddedSettings(TargetSettings):
     `calibration_file` (llmchaos.targets.embedded.calibration); `REFERENCE_QPS` until then
     (`llmchaos validate` does not measure)."""
     machine_share: float = 1.0
-    """Share of this machine's calibrated rate a run takes when `embedded_max_qps` is not set:
-    runs side by side on one machine each take theirs (CI's resilience suite runs two at 0.5
-    at once, conftest.CI_EXPERIMENT_ENV)."""
+    """Share of the rate this machine sends the embedded stack (`embedded_max_qps`, else the
+    calibrated rate) that a run takes: runs side by side on one machine each take theirs (CI's
+    resilience suite runs two at 0.5 at once, conftest.CI_EXPERIMENT_ENV)."""
     calibration_file: str = "~/.cache/llmchaos/calibration.json"
     """Where this machine's calibrated rate is cached (measured again on another machine)."""
     degradation_queue_threshold: int = DegradationSettings.queue_depth_threshold
@@ -217,9 +217,10 @@ class EmbeddedKind(TargetKind):
     def max_qps(self, settings: TargetSettings) -> float | None:
         embedded = _embedded(settings)
         if embedded.embedded_max_qps is not None:
-            return embedded.embedded_max_qps
+            return embedded.embedded_max_qps * embedded.machine_share
         calibration = machine_calibration(embedded)
-        return REFERENCE_QPS if calibration is None else calibration.qps * embedded.machine_share
+        machine_qps = REFERENCE_QPS if calibration is None else calibration.qps
+        return machine_qps * embedded.machine_share
 
     def prepare(self, settings: TargetSettings, progress: Callable[[str], None]) -> bool:
         embedded = _embedded(settings)
@@ -301,20 +302,20 @@ class EmbeddedKind(TargetKind):
 
     def max_qps_source(self, settings: TargetSettings) -> str:
         embedded = _embedded(settings)
+        share = embedded.machine_share
+        shared = "" if share == 1 else f" (times machine_share {share:g})"
         if embedded.embedded_max_qps is not None:
             return (
-                "embedded_max_qps: load, stack and faults share this machine's cores; set "
-                "LLMCHAOS_EMBEDDED_MAX_QPS to change it"
+                f"embedded_max_qps{shared}: load, stack and faults share this machine's cores; "
+                "set LLMCHAOS_EMBEDDED_MAX_QPS to change it"
             )
         if machine_calibration(embedded) is None:
             return (
                 f"this machine is not calibrated yet ({embedded.calibration_file}): the "
-                "reference layout's rate until a run or `llmchaos calibrate` measures it"
+                f"reference layout's rate{shared} until a run or `llmchaos calibrate` measures it"
             )
-        share = embedded.machine_share
-        share_text = "" if share == 1 else f" times machine_share {share:g}"
         return (
-            f"this machine's calibrated rate{share_text}, cached in {embedded.calibration_file} "
+            f"this machine's calibrated rate{shared}, cached in {embedded.calibration_file} "
             "(`llmchaos calibrate`); set LLMCHAOS_EMBEDDED_MAX_QPS to change it"
         )
 
