@@ -70,11 +70,18 @@ class _Recorded:
         self.clock.events.append(f"stop {self.name}")
 
 
-def _items(chosen: list[Case]) -> list[Any]:
-    """pytest's items for the cases `chosen`, as much of them as SuiteRuns reads."""
+OTHER_TEST = "another test"
+"""In a list of case ids: a test that is not a case."""
+
+
+def _items(chosen: list[Case | None]) -> list[Any]:
+    """pytest's items for the cases `chosen` (None: a test that is not a case), as much of
+    them as SuiteRuns reads."""
     session = SimpleNamespace(items=[])
     session.items = [
-        SimpleNamespace(
+        SimpleNamespace(session=session, name="test_other", nodeid="tests::other")
+        if case is None
+        else SimpleNamespace(
             session=session,
             name=case.id,
             nodeid=f"suites/test_catalogue.py::test_experiment[{case.id}]",
@@ -85,17 +92,29 @@ def _items(chosen: list[Case]) -> list[Any]:
     return session.items
 
 
+@pytest.fixture(autouse=True)
+def _ci_on_the_embedded_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "1")  # conftest.CI_EXPERIMENT_ENV: stepped_capacity at 1, others 0.5
+    monkeypatch.delenv("LLMCHAOS_TARGET", raising=False)
+
+
 def _run_suite(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ids: list[str], ticks: dict[str, int]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ids: list[str],
+    ticks: dict[str, int],
+    tests_that_come: int | None = None,
 ) -> list[str]:
-    """Run the cases `ids` in order through SuiteRuns; what the clock saw."""
+    """Run the tests `ids` (case ids, or OTHER_TEST) in order through SuiteRuns, the session
+    ending after the first `tests_that_come` of them (all by default); what the clock saw."""
     clock = _Clock(ticks)
     monkeypatch.setattr(catalogue._PlannedRun, "start", lambda self: _Recorded(self, clock))
-    by_id = {case.id: case for case in cases(REPO / "experiments")}
-    chosen = [by_id[i] for i in ids]
+    by_id: dict[str, Case | None] = {case.id: case for case in cases(REPO / "experiments")}
     runs = SuiteRuns(tmp_path, ahead=True)
-    for item, case in zip(_items(chosen), chosen, strict=True):
-        runs.run(item, case.path, case.variant, {})
+    for item in _items([by_id.get(i) for i in ids])[:tests_that_come]:
+        case = catalogue._case(item)
+        if case is not None:
+            runs.run(item, case.path, case.variant, {})
     runs.close()
     return clock.events
 
@@ -103,8 +122,6 @@ def _run_suite(
 def test_runs_start_in_order_while_their_shares_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CI", "1")  # conftest.CI_EXPERIMENT_ENV: stepped_capacity at 1, others 0.5
-    monkeypatch.delenv("LLMCHAOS_TARGET", raising=False)
     events = _run_suite(
         tmp_path,
         monkeypatch,
@@ -138,7 +155,6 @@ def test_on_another_target_runs_never_share_the_machine(
 ) -> None:
     """A cluster or hosts target serves each run with the same services: the share (an
     embedded setting) does not split them, so runs follow each other."""
-    monkeypatch.setenv("CI", "1")
     monkeypatch.setenv("LLMCHAOS_TARGET", "k8s")
     monkeypatch.setenv("LLMCHAOS_K8S_ALLOWED_NAMESPACES", "llmchaos")
     monkeypatch.setattr(catalogue, "_no_run", lambda _case: None)  # k8s has no known-bad variant
@@ -159,17 +175,14 @@ def test_on_another_target_runs_never_share_the_machine(
 def test_a_session_that_ends_stops_the_runs_started_ahead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CI", "1")
-    monkeypatch.delenv("LLMCHAOS_TARGET", raising=False)
-    clock = _Clock({"gpu_kill/hardened": 1, "gpu_kill/no-failover": 5})
-    monkeypatch.setattr(catalogue._PlannedRun, "start", lambda self: _Recorded(self, clock))
-    by_id = {case.id: case for case in cases(REPO / "experiments")}
-    chosen = [by_id["gpu_kill[default:hardened]"], by_id["gpu_kill[negative:no-failover]"]]
-    runs = SuiteRuns(tmp_path, ahead=True)
-    first = chosen[0]
-    runs.run(_items(chosen)[0], first.path, first.variant, {})
-    runs.close()  # the second test never came (pytest -x)
-    assert clock.events == [
+    events = _run_suite(
+        tmp_path,
+        monkeypatch,
+        ["gpu_kill[default:hardened]", "gpu_kill[negative:no-failover]"],
+        {"gpu_kill/hardened": 1, "gpu_kill/no-failover": 5},
+        tests_that_come=1,  # pytest -x after the first
+    )
+    assert events == [
         "start gpu_kill/hardened at share 0.5",
         "start gpu_kill/no-failover at share 0.5",
         "stopped gpu_kill/hardened",
@@ -182,19 +195,13 @@ def test_a_test_that_is_not_a_case_stops_the_look_ahead(
 ) -> None:
     """What another test between two cases loads is not known: the case after it starts
     only when it comes."""
-    monkeypatch.setenv("CI", "1")
-    monkeypatch.delenv("LLMCHAOS_TARGET", raising=False)
-    clock = _Clock({"gpu_kill/hardened": 1, "gpu_kill/no-failover": 1})
-    monkeypatch.setattr(catalogue._PlannedRun, "start", lambda self: _Recorded(self, clock))
-    by_id = {case.id: case for case in cases(REPO / "experiments")}
-    chosen = [by_id["gpu_kill[default:hardened]"], by_id["gpu_kill[negative:no-failover]"]]
-    first, second = _items(chosen)
-    other = SimpleNamespace(session=first.session, name="test_other", nodeid="tests::other")
-    first.session.items[1:1] = [other]
-    runs = SuiteRuns(tmp_path, ahead=True)
-    for item, case in ((first, chosen[0]), (second, chosen[1])):
-        runs.run(item, case.path, case.variant, {})
-    assert clock.events == [
+    events = _run_suite(
+        tmp_path,
+        monkeypatch,
+        ["gpu_kill[default:hardened]", OTHER_TEST, "gpu_kill[negative:no-failover]"],
+        {"gpu_kill/hardened": 1, "gpu_kill/no-failover": 1},
+    )
+    assert events == [
         "start gpu_kill/hardened at share 0.5",
         "stopped gpu_kill/hardened",
         "start gpu_kill/no-failover at share 0.5",
