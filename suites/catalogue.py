@@ -42,7 +42,15 @@ from llmchaos.targets import DEFAULT_VARIANT, TargetSettings, target_kind
 from llmchaos.targets.embedded import EmbeddedSettings
 from llmchaos.validation import ExperimentMeta, experiment_meta, validate_experiment_file
 
-__all__ = ["Case", "SuiteRuns", "calibrate_target", "cases", "check_case", "target_rate"]
+__all__ = [
+    "Case",
+    "SuiteRuns",
+    "calibrate_target",
+    "cases",
+    "check_case",
+    "target_rate",
+    "whole_machine_first",
+]
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,13 @@ def cases(folder: Path) -> list[Case]:
         found.append(Case(path, DEFAULT_VARIANT, True, meta))
         found += [Case(path, variant, False, meta) for variant in meta.negative_controls]
     return found
+
+
+def whole_machine_first(found: list[Case]) -> list[Case]:
+    """`found` with the cases whose runs take the whole machine first (in their order), then
+    those that share it (conftest.CI_EXPERIMENT_ENV): SuiteRuns then waits for runs to stop
+    before one that takes the machine once, not once per such case among the others."""
+    return sorted(found, key=lambda case: _machine_share(ci_run_env(case.path.stem)) < 1)
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, ExperimentRunner
-from suites.catalogue import Case, cases, check_case
+from suites.catalogue import Case, cases, check_case, whole_machine_first
 
 pytestmark = pytest.mark.resilience
 
 EXPERIMENTS_DIR = Path(os.environ.get("LLMCHAOS_EXPERIMENTS_DIR", REPO / "experiments"))
 """The catalogue; another folder can be given (the framework's own tests do)."""
 
-CASES = cases(EXPERIMENTS_DIR)
+CASES = whole_machine_first(cases(EXPERIMENTS_DIR))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

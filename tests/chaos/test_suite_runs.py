@@ -94,7 +94,8 @@ def _items(chosen: list[Case | None]) -> list[Any]:
 
 @pytest.fixture(autouse=True)
 def _ci_on_the_embedded_target(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CI", "1")  # conftest.CI_EXPERIMENT_ENV: stepped_capacity at 1, others 0.5
+    # conftest.CI_EXPERIMENT_ENV: gpu_kill at 0.33, gpu_xid_errors 0.5, stepped_capacity 1
+    monkeypatch.setenv("CI", "1")
     monkeypatch.delenv("LLMCHAOS_TARGET", raising=False)
 
 
@@ -139,8 +140,8 @@ def test_runs_start_in_order_while_their_shares_fit(
         },
     )
     assert events == [
-        "start gpu_kill/hardened at share 0.5",
-        "start gpu_kill/no-failover at share 0.5",  # at once: half and half fit
+        "start gpu_kill/hardened at share 0.33",
+        "start gpu_kill/no-failover at share 0.33",  # at once: a third and a third fit
         "stopped gpu_kill/no-failover",
         "start gpu_xid_errors/hardened at share 0.5",  # in its place, gpu_kill still going
         "stopped gpu_xid_errors/hardened",
@@ -183,8 +184,8 @@ def test_a_session_that_ends_stops_the_runs_started_ahead(
         tests_that_come=1,  # pytest -x after the first
     )
     assert events == [
-        "start gpu_kill/hardened at share 0.5",
-        "start gpu_kill/no-failover at share 0.5",
+        "start gpu_kill/hardened at share 0.33",
+        "start gpu_kill/no-failover at share 0.33",
         "stopped gpu_kill/hardened",
         "stop gpu_kill/no-failover",
     ]
@@ -202,8 +203,8 @@ def test_a_test_that_is_not_a_case_stops_the_look_ahead(
         {"gpu_kill/hardened": 1, "gpu_kill/no-failover": 1},
     )
     assert events == [
-        "start gpu_kill/hardened at share 0.5",
+        "start gpu_kill/hardened at share 0.33",
         "stopped gpu_kill/hardened",
-        "start gpu_kill/no-failover at share 0.5",
+        "start gpu_kill/no-failover at share 0.33",
         "stopped gpu_kill/no-failover",
     ]
