@@ -9,8 +9,8 @@ for the whole suite.
 The cases' runs follow each other with no gap (SuiteRuns): once a run has stopped its load and
 its stack, the next case's run starts (its chaos process and its stack) while the first
 finishes its report and exits; the next run's load starts seconds after that. Runs whose
-shares of the machine fit in it together (`machine_share`, 0.5 for most experiments under
-CI) run side by side.
+shares of the machine fit in it together (`machine_share`: a third or a half for most
+experiments under CI, conftest.CI_EXPERIMENT_ENV) run side by side.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class SuiteRuns:
         self._started: dict[str, tuple[_PlannedRun, StartedExperiment]] = {}
         """Runs started before their test came, by the test's node id."""
         self._plans: dict[str, _PlannedRun | None] = {}
-        """Each following test's run (None: not one to start ahead), planned once."""
+        """Each following case's run (None: check_case starts none), planned once."""
 
     def run(
         self, item: pytest.Item, experiment: Path, variant: str, env: Mapping[str, str]
@@ -187,25 +187,23 @@ class SuiteRuns:
         in_use = sum(p.machine_share for p, run in holding if not run.target_stopped())
         items = item.session.items
         for following in items[items.index(item) + 1 :]:
+            case = _case(following)
+            if case is None:
+                return  # not a case: what it loads is not known
             if following.nodeid not in self._plans:
-                self._plans[following.nodeid] = self._case_run(following)
+                self._plans[following.nodeid] = self._case_run(following, case)
             planned = self._plans[following.nodeid]
-            if planned is None:
-                if _case(following) is None:
-                    return  # not a case: what it loads is not known
-                continue  # a case that starts no run
-            if following.nodeid in self._started:
-                continue
+            if planned is None or following.nodeid in self._started:
+                continue  # a case that starts no run, or started already
             if in_use + planned.machine_share > 1 + _SHARE_SLACK:
                 return
             with held("starting a run ahead"):  # a Ctrl-C must not leave it unrecorded
                 self._started[following.nodeid] = (planned, planned.start())
             in_use += planned.machine_share
 
-    def _case_run(self, item: pytest.Item) -> _PlannedRun | None:
-        """`item`'s run when it is a case that check_case runs."""
-        case = _case(item)
-        if case is None or _no_run(case) is not None:
+    def _case_run(self, item: pytest.Item, case: Case) -> _PlannedRun | None:
+        """The run of `item`, the test of `case`, when check_case runs one."""
+        if _no_run(case) is not None:
             return None
         return self._plan(item, case.path, case.variant, {})
 

@@ -114,7 +114,8 @@ class EmbeddedSettings(TargetSettings):
     machine_share: float = 1.0
     """Share of the rate this machine sends the embedded stack (`embedded_max_qps`, else the
     calibrated rate) that a run takes: runs side by side on one machine each take theirs (CI's
-    resilience suite runs two at 0.5 at once, conftest.CI_EXPERIMENT_ENV)."""
+    resilience suite runs most experiments two or three at a time, at 0.5 or 0.33,
+    conftest.CI_EXPERIMENT_ENV)."""
     calibration_file: str = "~/.cache/llmchaos/calibration.json"
     """Where this machine's calibrated rate is cached (measured again on another machine)."""
     degradation_queue_threshold: int = DegradationSettings.queue_depth_threshold
@@ -216,10 +217,10 @@ class EmbeddedKind(TargetKind):
 
     def max_qps(self, settings: TargetSettings) -> float | None:
         embedded = _embedded(settings)
-        if embedded.embedded_max_qps is not None:
-            return embedded.embedded_max_qps * embedded.machine_share
-        calibration = machine_calibration(embedded)
-        machine_qps = REFERENCE_QPS if calibration is None else calibration.qps
+        machine_qps = embedded.embedded_max_qps
+        if machine_qps is None:
+            calibration = machine_calibration(embedded)
+            machine_qps = REFERENCE_QPS if calibration is None else calibration.qps
         return machine_qps * embedded.machine_share
 
     def prepare(self, settings: TargetSettings, progress: Callable[[str], None]) -> bool:
